@@ -1,0 +1,98 @@
+"""HF <-> Megatron-Core through mbridge: build a GPTModel from an HF config, load HF weights,
+stream HF-named tensors back out. The rest of rlkit sees only `ModelBridge`."""
+
+import importlib.util
+import inspect
+from typing import Iterator
+
+import torch
+
+_patched = set()
+
+
+def _isolate_name_tables():
+    """mbridge's Qwen2 bridge rewrites its class-level `_DIRECT_MAPPING` for tied embeddings,
+    so a tied model built earlier in the process breaks every later untied one. Give each
+    bridge instance its own copy before it adjusts it."""
+    if "name_tables" in _patched:
+        return
+    from mbridge.core.bridge import Bridge
+
+    adjust = Bridge.__init__
+
+    def init_with_own_tables(self, *args, **kwargs):
+        self._DIRECT_MAPPING = dict(type(self)._DIRECT_MAPPING)
+        adjust(self, *args, **kwargs)
+
+    Bridge.__init__ = init_with_own_tables
+    _patched.add("name_tables")
+
+
+def _use_local_layer_spec():
+    """Without TransformerEngine, mbridge 0.15.1 still builds TE layer specs (NameError: TENorm)
+    and its name tables only know TE's fused layernorm names. Build the pure-torch spec and
+    translate its layernorm names to the fused ones before mbridge maps them to HF."""
+    if "local_spec" in _patched:
+        return
+    from mbridge.core.bridge import Bridge
+    from mbridge.core.llm_bridge import LLMBridge
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    def local_spec(self, vp_stage=None):
+        kwargs = {"vp_stage": vp_stage} if "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters else {}
+        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, **kwargs)
+
+    to_hf = Bridge._weight_name_mapping_mcore_to_hf
+
+    def fused_names_to_hf(self, name):
+        name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+        name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
+        return to_hf(self, name)
+
+    LLMBridge._get_transformer_layer_spec = local_spec
+    Bridge._weight_name_mapping_mcore_to_hf = fused_names_to_hf
+    _patched.add("local_spec")
+
+
+class ModelBridge:
+    """One HF checkpoint directory seen as Megatron model chunks. Create it after
+    megatron's parallel_state is initialized: the bridge reads TP/PP/EP from it."""
+
+    def __init__(self, hf_dir: str, params_dtype: torch.dtype):
+        from mbridge import AutoBridge
+        from transformers import AutoConfig
+
+        _isolate_name_tables()
+        if importlib.util.find_spec("transformer_engine") is None:
+            _use_local_layer_spec()
+        self.hf_dir = str(hf_dir)
+        self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
+        if not hasattr(self.hf_config, "rope_theta"):  # transformers 5 moved it into rope_parameters
+            self.hf_config.rope_theta = self.hf_config.rope_parameters["rope_theta"]
+        self._bridge = AutoBridge.from_config(self.hf_config, dtype=params_dtype)
+        # RL needs deterministic forward passes (train vs generation logprobs); fusions that need
+        # TE/Apex are off so the same model builds on CPU and GPU.
+        self._bridge.set_extra_args(sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                    masked_softmax_fusion=False, bias_activation_fusion=False,
+                                    bias_dropout_fusion=False, apply_rope_fusion=False,
+                                    gradient_accumulation_fusion=False)
+
+    @property
+    def transformer_config(self):
+        return self._bridge.config
+
+    def build(self, bf16: bool, wrap_with_ddp: bool, use_distributed_optimizer: bool = False) -> list:
+        return self._bridge.get_model(
+            bf16=bf16, wrap_with_ddp=wrap_with_ddp, use_cpu_initialization=not torch.cuda.is_available(),
+            ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": use_distributed_optimizer})
+
+    def load_hf_weights(self, chunks: list, hf_dir: str | None = None):
+        self._bridge.load_weights(chunks, str(hf_dir or self.hf_dir))
+
+    def export_hf_weights(self, chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (hf_name, tensor) gathered across TP/PP, one tensor at a time. Collective:
+        every model-parallel rank must iterate it to the end."""
+        yield from self._bridge.export_weights(chunks)
+
+    def save_hf_weights(self, chunks: list, out_dir: str):
+        self._bridge.save_weights(chunks, str(out_dir))

@@ -1,0 +1,94 @@
+"""Tiny HF checkpoints of real architectures (Qwen2, Qwen3, Llama), built offline.
+
+The tokenizer is a byte-level BPE trained on arithmetic-like text. It uses Qwen2's
+pre-tokenizer regex because transformers 5 swaps that regex into any tokenizer loaded
+from a directory whose config.json says qwen2; training with the same regex keeps the
+ids identical whichever class AutoTokenizer picks. Digits are always single tokens.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+ARCHITECTURES = ("qwen2", "qwen3", "llama")
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN2_PRETOKENIZER = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZER), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    corpus = [f"{a}+{b}={a + b}" for a in range(30) for b in range(30)]
+    corpus += [f"{a}-{b}={a - b}" for a in range(30) for b in range(30)]
+    corpus += ["What is the answer? The answer is 42. Guess a number: higher, lower, correct!"] * 10
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>",
+                                     bos_token=None, padding_side="left")
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def _hf_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden_size: int, num_layers: int):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None,
+                  tie_word_embeddings=arch == "qwen2", rms_norm_eps=1e-6)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=hidden_size // 4, **common)
+    return LlamaConfig(**common)
+
+
+def build_tiny_model(arch: str, out_dir: str | os.PathLike, hidden_size: int = 64, num_layers: int = 2,
+                     seed: int = 0) -> Path:
+    """Write a random-init HF checkpoint + tokenizer to out_dir (atomically) and return it.
+
+    The vocabulary is padded to a multiple of 64 (as real checkpoints do) so any TP <= 64 divides it.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"tiny model arch '{arch}' is unknown; choose one of {ARCHITECTURES}")
+    out_dir = Path(out_dir)
+    tok = build_tokenizer()
+    vocab_size = -(-len(tok) // 64) * 64
+    config = _hf_config(arch, vocab_size, tok.pad_token_id, tok.eos_token_id, hidden_size, num_layers)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "rlkit_tiny.json").write_text(json.dumps({"arch": arch, "hidden_size": hidden_size,
+                                                          "num_layers": num_layers, "seed": seed}))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,67 @@
+"""Run megatron-core 0.16.1 on a CPU-only torch build (gloo). Used only when no GPU is present.
+
+megatron-core assumes CUDA in a handful of places: `torch.cuda.current_device()` passed as a
+device, the CUDA RNG tracker, a causal mask built with device="cuda", and DDP/optimizer/
+pipeline-schedule code that allocates with device="cuda" or asserts `grad.type()` is a CUDA
+type. `enable()` points the first three at the CPU and installs a TorchFunctionMode that maps
+every "cuda" device argument to "cpu" for the rest. Measured overhead is within noise.
+"""
+
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def _to_cpu(device):
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CudaAsCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # clip_grads asserts grad.type() == "torch.cuda.FloatTensor"
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _to_cpu(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+_mode = None
+
+
+def enable():
+    global _mode
+    if _mode is not None:
+        return
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.tensor_parallel.random as mcore_random
+    import megatron.core.transformer.utils as transformer_utils
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    torch.cuda.manual_seed = torch.manual_seed
+    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
+
+    def causal_mask(seq_len):
+        return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)
+
+    transformer_utils.get_default_causal_mask = causal_mask
+    fused_softmax.get_default_causal_mask = causal_mask
+    # The CUDA and CPU RNG are one generator here, which megatron's RNG tracker warns about.
+    logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
+    _mode = _CudaAsCpu()
+    _mode.__enter__()
