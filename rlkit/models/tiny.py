@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama")
+TINY_HEADS = (4, 2)  # (attention heads, key/value heads) of every tiny model
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_PRETOKENIZER = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -53,7 +54,7 @@ def _hf_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden_size
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=num_layers, num_attention_heads=TINY_HEADS[0], num_key_value_heads=TINY_HEADS[1],
                   max_position_embeddings=256, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None,
                   tie_word_embeddings=arch == "qwen2", rms_norm_eps=1e-6)
     if arch == "qwen2":
@@ -61,6 +62,11 @@ def _hf_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden_size
     if arch == "qwen3":
         return Qwen3Config(head_dim=hidden_size // 4, **common)
     return LlamaConfig(**common)
+
+
+def parse_tiny(model_path: str) -> str | None:
+    """'tiny://qwen3' -> 'qwen3'; None for a real checkpoint path."""
+    return model_path.removeprefix("tiny://") if model_path.startswith("tiny://") else None
 
 
 def build_tiny_model(arch: str, out_dir: str | os.PathLike, hidden_size: int = 64, num_layers: int = 2,

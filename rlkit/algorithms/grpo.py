@@ -1,0 +1,179 @@
+"""GRPO: the controller loop. One step = refit -> generate -> reward -> advantages -> logprobs -> train."""
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from transformers import AutoTokenizer
+
+from rlkit.algorithms.advantages import grpo_advantages
+from rlkit.algorithms.losses import ClippedPolicyLossConfig, batch_totals
+from rlkit.algorithms.sft import cached_warm_start, sft_steps
+from rlkit.cluster.setup import Workers, start_workers
+from rlkit.config.schema import RootConfig
+from rlkit.data.arithmetic import arithmetic_splits
+from rlkit.data.rollout import PromptStream, rollout_batch
+from rlkit.envs.arithmetic import ArithmeticEnv
+from rlkit.models.resolve import cache_key, resolve_model_dir
+from rlkit.observability.metrics import MetricsLogger, PhaseTimer, console_line
+from rlkit.refit.plan import RefitPlan
+from rlkit.refit.transports import TRANSPORTS
+from rlkit.refit.verify import logprob_error
+from rlkit.workers.generation.base import SamplingParams
+
+log = logging.getLogger("rlkit")
+
+
+@dataclass
+class GRPOResult:
+    history: list[dict]  # metrics of every step (step 0: validation before training)
+    run_dir: Path
+
+
+class GRPO:
+    """The pieces a GRPO step needs, set up once."""
+
+    def __init__(self, cfg: RootConfig, workers: Workers, tokenizer, env: ArithmeticEnv):
+        self.cfg, self.workers, self.tokenizer, self.env = cfg, workers, tokenizer, env
+        self.policy, self.generation = workers.policy, workers.generation
+        a = cfg.algorithm
+        self.loss_cfg = ClippedPolicyLossConfig(a.clip_low, a.clip_high, a.kl_coef, a.loss_aggregation)
+        g = cfg.generation
+        self.sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, seed=cfg.run.seed)
+        self.policy.call("set_temperature", g.temperature or 1.0)
+        self.policy.call("set_learning_rate", cfg.policy.optimizer.lr)
+        if a.kl_coef > 0:
+            self.policy.call("init_reference")
+        manifest = self.policy.rank0("refit_manifest")
+        self.plan = RefitPlan.build(manifest, int(cfg.refit.bucket_mb * 2**20),
+                                    transfer_dtype="bfloat16" if g.precision == "bf16" else None,
+                                    keep_fp32=tuple(cfg.refit.keep_fp32))
+        self.refit_fn = TRANSPORTS[cfg.refit.transport]
+        self.weights_stale = True  # generation workers start with random weights
+
+    def refit(self) -> dict:
+        """Push the policy's weights into the generation workers if training changed them."""
+        if not self.weights_stale:
+            return {}
+        metrics = self.refit_fn(self.policy, self.generation, self.plan, self.cfg.refit.verify_checksums)
+        self.weights_stale = False
+        return metrics
+
+    def encode(self, rows: list[dict]) -> list[list[int]]:
+        return [self.tokenizer(r["prompt"])["input_ids"] for r in rows]
+
+    def step(self, rows: list[dict], step: int) -> dict:
+        a, timer = self.cfg.algorithm, PhaseTimer()
+        with timer("step"):
+            with timer("refit"):
+                refit_metrics = self.refit()
+            prompt_ids = [ids for ids in self.encode(rows) for _ in range(a.group_size)]
+            answers = [r["answer"] for r in rows for _ in range(a.group_size)]
+            with timer("generate"):
+                sampling = SamplingParams(**{**self.sampling.__dict__, "seed": self.sampling.seed + step})
+                generations = self.generation.generate(prompt_ids, sampling)
+            with timer("reward"):
+                responses = self.tokenizer.batch_decode(generations.token_ids, skip_special_tokens=True)
+                rewards = torch.tensor(self.env.score(responses, answers))
+            rollout = rollout_batch(prompt_ids, generations, self.tokenizer.pad_token_id)
+            rollout = rollout.with_fields(advantages=grpo_advantages(rewards, a.group_size, a.normalize_std))
+            with timer("logprobs"):
+                rollout = rollout.with_fields(old_logprobs=self.policy.logprobs(rollout))
+                if a.kl_coef > 0:
+                    rollout = rollout.with_fields(reference_logprobs=self.policy.reference_logprobs(rollout))
+            with timer("train"):
+                train_metrics = self.train(rollout)
+                self.weights_stale = True
+        mask = rollout["response_mask"]
+        return {
+            "train/reward": rewards.mean().item(),
+            "train/accuracy": (rewards == self.cfg.env.correct_reward).float().mean().item(),
+            "train/response_length": mask.sum(1).mean().item(),
+            **train_metrics, **refit_metrics, **timer.seconds,
+            **logprob_error(rollout["old_logprobs"], rollout["generation_logprobs"], mask),
+        }
+
+    def train(self, rollout) -> dict:
+        """One optimizer step per mini-batch of policy.train_global_batch_size samples."""
+        keys = ["input_ids", "response_mask", "old_logprobs", "advantages"]
+        if "reference_logprobs" in rollout:
+            keys.append("reference_logprobs")
+        minibatches = rollout.select(*keys).split(len(rollout) // self.cfg.policy.train_global_batch_size)
+        sums, tokens = {}, rollout["response_mask"].sum().item()
+        for minibatch in minibatches:
+            m = self.policy.train(minibatch, batch_totals(minibatch["response_mask"]), "policy", self.loss_cfg)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v
+        out = {"train/loss": sums["loss"] / len(minibatches), "train/grad_norm": sums["grad_norm"] / len(minibatches),
+               "train/clip_fraction": sums["clipped_tokens"] / max(tokens, 1),
+               "train/entropy": sums["entropy"] / max(tokens, 1)}
+        if "kl" in sums:
+            out["train/kl"] = sums["kl"] / max(tokens, 1)
+        return out
+
+    def validate(self, rows: list[dict]) -> dict:
+        """Greedy answers on held-out prompts, with the current (refit) generation weights."""
+        greedy = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0})
+        generations = self.generation.generate(self.encode(rows), greedy)
+        responses = self.tokenizer.batch_decode(generations.token_ids, skip_special_tokens=True)
+        rewards = torch.tensor(self.env.score(responses, [r["answer"] for r in rows]))
+        return {"val/accuracy": (rewards == self.cfg.env.correct_reward).float().mean().item(),
+                "val/reward": rewards.mean().item()}
+
+
+def _starting_checkpoint(cfg: RootConfig, model_dir: Path) -> tuple[Path, Path | None]:
+    """(directory the policy loads, warm-start directory still to be written or None)."""
+    w = cfg.algorithm.warm_start
+    if w.sft_steps == 0:
+        return model_dir, None
+    key = cache_key(str(model_dir), w.sft_steps, w.batch_size, w.lr, cfg.data, cfg.policy.optimizer, cfg.run.seed)
+    warm_dir = Path(cfg.run.cache_dir).resolve() / f"warm-start-{key}"
+    if (warm_dir / "config.json").is_file():
+        log.info("warm start: using the cached SFT checkpoint %s", warm_dir)
+        return warm_dir, None
+    return model_dir, warm_dir
+
+
+def run_grpo(cfg: RootConfig, resolved: DictConfig) -> GRPOResult:
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    train_set, val_set = arithmetic_splits(cfg.data)
+    start_dir, warm_dir = _starting_checkpoint(cfg, resolve_model_dir(cfg))
+    tokenizer = AutoTokenizer.from_pretrained(start_dir)
+    workers = start_workers(cfg, str(start_dir))
+    logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved)
+    try:
+        if warm_dir is not None:
+            w = cfg.algorithm.warm_start
+            log.info("warm start: the random-init model cannot earn reward yet; running %d SFT steps with "
+                     "rlkit's trainer, cached in %s", w.sft_steps, warm_dir)
+            cached_warm_start(workers.policy, warm_dir, lambda: sft_steps(
+                workers.policy, tokenizer, train_set, w.sft_steps, w.batch_size, w.lr, cfg.run.seed,
+                minibatch_size=w.batch_size))
+        grpo = GRPO(cfg, workers, tokenizer, ArithmeticEnv(cfg.env))
+        history = [_validation_step(grpo, val_set, logger)]
+        prompts = PromptStream(train_set, cfg.algorithm.prompts_per_step, cfg.run.seed)
+        a = cfg.algorithm
+        for step in range(1, a.num_steps + 1):
+            metrics = grpo.step(next(prompts), step)
+            if step % a.val_every == 0 or step == a.num_steps:
+                grpo.refit()
+                metrics.update(grpo.validate(list(val_set)))
+            logger.log(step, metrics)
+            log.info(console_line(step, a.num_steps, metrics))
+            history.append(metrics)
+        return GRPOResult(history, run_dir)
+    finally:
+        logger.close()
+        workers.shutdown()
+
+
+def _validation_step(grpo: GRPO, val_set, logger: MetricsLogger) -> dict:
+    start = time.perf_counter()
+    metrics = {**grpo.refit(), **grpo.validate(list(val_set))}
+    metrics["timing/step"] = time.perf_counter() - start
+    logger.log(0, metrics)
+    log.info("before training: val_acc %.3f", metrics["val/accuracy"])
+    return metrics

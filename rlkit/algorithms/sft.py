@@ -1,0 +1,43 @@
+"""Supervised steps on (prompt, answer) rows; used as GRPO's warm start."""
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from rlkit.algorithms.losses import batch_totals
+from rlkit.cluster.roles import PolicyGroup
+from rlkit.data.rollout import PromptStream, supervised_batch
+
+log = logging.getLogger("rlkit")
+
+
+def sft_steps(policy: PolicyGroup, tokenizer, dataset, steps: int, batch_size: int, lr: float, seed: int,
+              minibatch_size: int) -> list[float]:
+    """`steps` optimizer steps of NLL on answer + EOS tokens. Returns the loss of each step."""
+    rows = PromptStream(dataset, batch_size, seed)
+    policy.call("set_learning_rate", lr)
+    losses = []
+    for step in range(1, steps + 1):
+        batch_rows = next(rows)
+        prompts = [tokenizer(r["prompt"])["input_ids"] for r in batch_rows]
+        targets = [tokenizer(r["answer"])["input_ids"] + [tokenizer.eos_token_id] for r in batch_rows]
+        batch = supervised_batch(prompts, targets, tokenizer.pad_token_id)
+        loss = 0.0
+        for minibatch in batch.split(len(batch) // minibatch_size):
+            loss += policy.train(minibatch, batch_totals(minibatch["loss_mask"]), "sft")["loss"]
+        losses.append(loss / (len(batch) // minibatch_size))
+        if step % 10 == 0 or step == steps:
+            log.info("warm start SFT step %d/%d: loss %.3f", step, steps, losses[-1])
+    return losses
+
+
+def cached_warm_start(policy: PolicyGroup, out_dir: Path, train) -> None:
+    """Run `train()` and save the policy as an HF checkpoint at out_dir, atomically: a
+    half-written directory never looks complete."""
+    train()
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.call("save_hf", str(tmp))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)

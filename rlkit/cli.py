@@ -1,0 +1,45 @@
+"""rlkit command line: `rlkit train --config-name <recipe> [key=value ...]`."""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from rlkit.config.load import RECIPES_DIR, ConfigError, load_config
+
+
+def _train(args) -> int:
+    cfg, resolved = load_config(args.config_name, args.overrides, Path(args.config_dir))
+    if args.cfg == "job":
+        print(OmegaConf.to_yaml(resolved, resolve=True))
+        return 0
+    from rlkit.algorithms.grpo import run_grpo
+
+    result = run_grpo(cfg, resolved)
+    first, last = result.history[0], result.history[-1]
+    logging.getLogger("rlkit").info("done: val_acc %.3f -> %.3f; metrics in %s", first["val/accuracy"],
+                                    last["val/accuracy"], result.run_dir / "metrics.jsonl")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlkit")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="run a recipe")
+    train.add_argument("--config-name", required=True, help="recipe name (a YAML file in --config-dir)")
+    train.add_argument("--config-dir", default=str(RECIPES_DIR), help="directory of recipes")
+    train.add_argument("--cfg", choices=["job"], help="print the resolved config and exit")
+    train.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. policy.tensor_parallel_size=2")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        return _train(args)
+    except ConfigError as e:
+        print(f"rlkit: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

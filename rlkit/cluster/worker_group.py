@@ -1,0 +1,87 @@
+"""WorkerGroup: N Ray actors of one role placed on a placement group, with explicit dispatch."""
+
+import socket
+import time
+from typing import Any, Callable
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlkit.data.batch import Batch
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+@ray.remote(num_cpus=0)
+def _free_address() -> tuple[str, int]:
+    """A TCP address for torch.distributed's rendezvous on the node of the worker's bundle."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def rendezvous_address(placement_group, bundle_index: int) -> tuple[str, int]:
+    strategy = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=bundle_index)
+    return ray.get(_free_address.options(scheduling_strategy=strategy).remote())
+
+
+class WorkerGroup:
+    def __init__(self, role: str, actor_cls: type, placement_group, bundle_indices: list[int], share: float,
+                 device: str, make_args: Callable[[int], dict], timeout_s: float):
+        self.role, self.timeout_s = role, timeout_s
+        remote_cls = ray.remote(actor_cls)
+        self.actors = [
+            remote_cls.options(
+                num_cpus=share, num_gpus=share if device == "GPU" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group,
+                                                                     placement_group_bundle_index=bundle),
+            ).remote(**make_args(rank))
+            for rank, bundle in enumerate(bundle_indices)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def wait(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
+        """ray.get with the group's timeout; a dead or failing worker becomes one error naming it.
+        ranks[i] is the worker that refs[i] came from (default: refs are one per worker)."""
+        deadline = time.monotonic() + self.timeout_s
+        results = []
+        for rank, ref in zip(ranks or range(len(refs)), refs):
+            try:
+                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)))
+            except GetTimeoutError:
+                raise WorkerError(f"{self.role} worker {rank} did not finish '{what}' within "
+                                  f"{self.timeout_s:.0f}s (cluster.call_timeout_s)") from None
+            except RayActorError as e:
+                raise WorkerError(f"{self.role} worker {rank} died during '{what}': {e}") from None
+            except RayTaskError as e:
+                raise WorkerError(f"{self.role} worker {rank} failed in '{what}':\n{e}") from None
+        return results
+
+    def submit(self, method: str, *args, ranks: list[int] | None = None, **kwargs) -> list:
+        """Same arguments to every worker (or to `ranks`); returns object refs."""
+        chosen = range(len(self.actors)) if ranks is None else ranks
+        return [getattr(self.actors[r], method).remote(*args, **kwargs) for r in chosen]
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Replicated call: every worker runs it; one result per worker."""
+        return self.wait(self.submit(method, *args, **kwargs), method)
+
+    def call_sharded(self, method: str, batch: Batch, shard_of_rank: list[int], output_ranks: list[int],
+                     *args, **kwargs) -> list[Any]:
+        """Split `batch` into one shard per data-parallel rank, give worker r the shard
+        shard_of_rank[r] (one object ref per shard, shared by that shard's workers), and return
+        the results of output_ranks in shard order."""
+        shards = [ray.put(s) for s in batch.split(max(shard_of_rank) + 1)]
+        refs = [getattr(actor, method).remote(shards[shard_of_rank[r]], *args, **kwargs)
+                for r, actor in enumerate(self.actors)]
+        results = self.wait(refs, method)
+        return [results[r] for r in output_ranks]
+
+    def kill(self):
+        for actor in self.actors:
+            ray.kill(actor)

@@ -1,0 +1,131 @@
+"""Compose a recipe with Hydra, check it against the schema, then check cross-key consistency.
+Every problem is one ConfigError line: `key: problem (got: value); fix`."""
+
+import json
+import re
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from rlkit.config.schema import RootConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_GROUPS_DIR = REPO_ROOT / "configs"
+RECIPES_DIR = REPO_ROOT / "recipes"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def compose_recipe(name: str, overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> DictConfig:
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(Path(recipes_dir).resolve()), version_base=None):
+            return compose(config_name=name, overrides=[*overrides, f"hydra.searchpath=[file://{CONFIG_GROUPS_DIR}]"])
+    except Exception as e:  # Hydra's errors are multi-line; keep the first, it names the key
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        unknown = re.match(r"Could not override '([^']+)'", first)
+        if unknown:
+            raise ConfigError(f"{unknown.group(1)}: unknown key; remove it or fix its spelling") from None
+        raise ConfigError(f"recipe '{name}': {first}") from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def to_typed(cfg: DictConfig) -> RootConfig:
+    """Merge into the schema: unknown keys, wrong types and missing values fail here."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RootConfig), cfg)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(f"{missing[0]}: no value set; give it one in the recipe or as {missing[0]}=...")
+        return OmegaConf.to_object(merged)
+    except ConfigKeyError as e:
+        raise ConfigError(f"{e.full_key}: unknown key; remove it or fix its spelling") from None
+    except ValidationError as e:
+        raise ConfigError(f"{e.full_key}: {e.msg.splitlines()[0]}; give a value of the right type") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{getattr(e, 'full_key', '?')}: {str(e).splitlines()[0]}") from None
+
+
+def _choice(key: str, value, choices):
+    if value not in choices:
+        raise ConfigError(f"{key}: must be one of {list(choices)} (got: {value!r})")
+
+
+def _attention_heads(model_path: str) -> tuple[int, int] | None:
+    """(attention heads, kv heads) from an HF checkpoint's config.json; None for tiny:// models."""
+    from rlkit.models.tiny import TINY_HEADS, parse_tiny
+    if parse_tiny(model_path):
+        return TINY_HEADS
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"policy.model_path: {config_file} does not exist; give an HF checkpoint directory "
+                          f"or tiny://<qwen2|qwen3|llama>")
+    hf = json.loads(config_file.read_text())
+    return hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+
+
+def validate(cfg: RootConfig) -> None:
+    from rlkit.algorithms.losses import LOSS_AGGREGATIONS
+    from rlkit.cluster.placement import PLACEMENTS
+    from rlkit.models.tiny import ARCHITECTURES, parse_tiny
+    from rlkit.refit.transports import TRANSPORTS
+
+    p, g, a = cfg.policy, cfg.generation, cfg.algorithm
+    _choice("cluster.placement", cfg.cluster.placement, PLACEMENTS)
+    _choice("policy.precision", p.precision, ("fp32", "bf16"))
+    _choice("generation.precision", g.precision, ("fp32", "bf16"))
+    _choice("generation.backend", g.backend, ("hf",))
+    _choice("refit.transport", cfg.refit.transport, TRANSPORTS)
+    _choice("algorithm.name", a.name, ("grpo",))
+    _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
+    arch = parse_tiny(p.model_path)
+    if p.model_path.startswith("tiny://") and arch not in ARCHITECTURES:
+        raise ConfigError(f"policy.model_path: tiny model '{p.model_path}' is unknown; use one of "
+                          f"{['tiny://' + x for x in ARCHITECTURES]}")
+    for key, value in [("policy.num_workers", p.num_workers), ("policy.tensor_parallel_size", p.tensor_parallel_size),
+                       ("policy.pipeline_parallel_size", p.pipeline_parallel_size),
+                       ("policy.micro_batch_size", p.micro_batch_size), ("generation.num_workers", g.num_workers),
+                       ("algorithm.prompts_per_step", a.prompts_per_step), ("algorithm.num_steps", a.num_steps),
+                       ("generation.max_new_tokens", g.max_new_tokens)]:
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1 (got: {value})")
+    model_parallel = p.tensor_parallel_size * p.pipeline_parallel_size
+    if p.num_workers % model_parallel:
+        raise ConfigError(f"policy.num_workers: must be a multiple of tensor_parallel_size x pipeline_parallel_size "
+                          f"= {model_parallel} (got: {p.num_workers})")
+    dp = p.num_workers // model_parallel
+    if p.train_global_batch_size % (dp * p.micro_batch_size):
+        raise ConfigError(f"policy.train_global_batch_size: must be divisible by DP ({dp}) x "
+                          f"policy.micro_batch_size ({p.micro_batch_size}) = {dp * p.micro_batch_size} "
+                          f"(got: {p.train_global_batch_size}); set it to a multiple of {dp * p.micro_batch_size}")
+    if a.group_size < 2:
+        raise ConfigError(f"algorithm.group_size: GRPO needs at least 2 samples per prompt to compare "
+                          f"(got: {a.group_size}); set it to 2 or more")
+    rollout = a.prompts_per_step * a.group_size
+    if rollout % p.train_global_batch_size:
+        raise ConfigError(f"policy.train_global_batch_size: must divide the rollout size algorithm.prompts_per_step "
+                          f"x algorithm.group_size = {rollout} (got: {p.train_global_batch_size})")
+    heads, kv_heads = _attention_heads(p.model_path)
+    for name, count in [("attention heads", heads), ("key/value heads", kv_heads)]:
+        if count % p.tensor_parallel_size:
+            raise ConfigError(f"policy.tensor_parallel_size: must divide the model's {count} {name} "
+                              f"(got: {p.tensor_parallel_size}); pick a divisor of {count}")
+    if cfg.refit.bucket_mb <= 0:
+        raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb})")
+    if a.warm_start.sft_steps > 0 and a.warm_start.batch_size % (dp * p.micro_batch_size):
+        raise ConfigError(f"algorithm.warm_start.batch_size: must be divisible by DP ({dp}) x "
+                          f"policy.micro_batch_size ({p.micro_batch_size}) (got: {a.warm_start.batch_size})")
+
+
+def load_config(name: str, overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> tuple[RootConfig, DictConfig]:
+    """Returns the typed, validated config and the resolved DictConfig (for printing/logging)."""
+    raw = compose_recipe(name, overrides, recipes_dir)
+    typed = to_typed(raw)
+    validate(typed)
+    return typed, raw

@@ -1,0 +1,140 @@
+"""Typed schema of the whole config. Defaults live in configs/*.yaml (one place each); the
+schema only fixes names and types, so unknown keys and wrong types fail at load time."""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ClusterConfig:
+    address: Optional[str] = MISSING
+    num_cpus: int = MISSING
+    object_store_mb: int = MISSING
+    placement: str = MISSING
+    threads_per_worker: int = MISSING
+    call_timeout_s: float = MISSING
+    collective_timeout_s: float = MISSING
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    seed: int = MISSING
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = MISSING
+    weight_decay: float = MISSING
+    adam_beta1: float = MISSING
+    adam_beta2: float = MISSING
+    adam_eps: float = MISSING
+    clip_grad: float = MISSING
+
+
+@dataclass
+class PolicyConfig:
+    model_path: str = MISSING
+    tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    num_workers: int = MISSING
+    tensor_parallel_size: int = MISSING
+    pipeline_parallel_size: int = MISSING
+    micro_batch_size: int = MISSING
+    train_global_batch_size: int = MISSING
+    precision: str = MISSING
+    use_distributed_optimizer: bool = MISSING
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+
+@dataclass
+class GenerationConfig:
+    backend: str = MISSING
+    num_workers: int = MISSING
+    max_new_tokens: int = MISSING
+    temperature: float = MISSING
+    top_p: float = MISSING
+    top_k: int = MISSING
+    precision: str = MISSING
+
+
+@dataclass
+class RefitConfig:
+    transport: str = MISSING
+    bucket_mb: float = MISSING
+    verify_checksums: bool = MISSING
+    keep_fp32: list[str] = MISSING
+
+
+@dataclass
+class WarmStartConfig:
+    sft_steps: int = MISSING
+    batch_size: int = MISSING
+    lr: float = MISSING
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = MISSING
+    num_steps: int = MISSING
+    prompts_per_step: int = MISSING
+    group_size: int = MISSING
+    normalize_std: bool = MISSING
+    clip_low: float = MISSING
+    clip_high: float = MISSING
+    kl_coef: float = MISSING
+    loss_aggregation: str = MISSING
+    val_every: int = MISSING
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+@dataclass
+class EnvConfig:
+    name: str = MISSING
+    correct_reward: float = MISSING
+    wrong_reward: float = MISSING
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    train_size: int = MISSING
+    val_size: int = MISSING
+    max_operand: int = MISSING
+    operations: list[str] = MISSING
+    seed: int = MISSING
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = MISSING
+    project: str = MISSING
+    mode: str = MISSING
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class RunConfig:
+    name: str = MISSING
+    output_dir: str = MISSING
+    cache_dir: str = MISSING
+    seed: int = MISSING
+
+
+@dataclass
+class RootConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    refit: RefitConfig = field(default_factory=RefitConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -1,0 +1,72 @@
+"""Batch: the one container that moves between controller and workers.
+
+A dict of tensors sharing the leading (sample) dimension. Fields used by rlkit, with shapes
+(B samples, S tokens; token-aligned means position t describes input_ids[:, t]):
+
+  input_ids            [B, S] long   prompt + response, right-padded with pad_id
+  response_mask        [B, S] float  1 where the token is model-generated and trained on
+  generation_logprobs  [B, S] float  sampler logprob of each response token (token-aligned)
+  old_logprobs         [B, S] float  policy logprob before this step's update (token-aligned)
+  reference_logprobs   [B, S] float  frozen reference policy logprob (token-aligned)
+  advantages           [B]    float  one advantage per sample (broadcast over its tokens)
+  rewards              [B]    float
+  loss_mask            [B, S] float  SFT: 1 on target tokens
+
+Right padding keeps position ids 0..S-1 valid for every sample, so no attention mask is needed.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    tensors: dict[str, torch.Tensor]
+
+    def __post_init__(self):
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Batch fields disagree on the number of samples: {sizes}")
+
+    def __len__(self) -> int:
+        return next(iter(self.tensors.values())).shape[0] if self.tensors else 0
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def with_fields(self, **fields: torch.Tensor) -> "Batch":
+        return Batch({**self.tensors, **fields})
+
+    def select(self, *keys: str) -> "Batch":
+        missing = [k for k in keys if k not in self.tensors]
+        if missing:
+            raise KeyError(f"Batch lacks fields {missing}; it has {sorted(self.tensors)}")
+        return Batch({k: self.tensors[k] for k in keys})
+
+    def slice(self, start: int, stop: int) -> "Batch":
+        return Batch({k: v[start:stop] for k, v in self.tensors.items()})
+
+    def split(self, num_chunks: int) -> list["Batch"]:
+        """Equal contiguous chunks (e.g. one per DP rank, or micro-batches)."""
+        if len(self) % num_chunks:
+            raise ValueError(f"cannot split a batch of {len(self)} samples into {num_chunks} equal chunks")
+        size = len(self) // num_chunks
+        return [self.slice(i * size, (i + 1) * size) for i in range(num_chunks)]
+
+    @staticmethod
+    def concat(batches: list["Batch"]) -> "Batch":
+        keys = batches[0].tensors.keys()
+        return Batch({k: torch.cat([b.tensors[k] for b in batches]) for k in keys})
+
+
+def right_pad(sequences: list[list[int]], pad_id: int, length: int | None = None) -> torch.Tensor:
+    """[len(sequences), length] long tensor, each sequence left-aligned."""
+    length = length or max(len(s) for s in sequences)
+    out = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        out[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return out

@@ -1,0 +1,154 @@
+"""RefitPlan: the single description of how weights travel from policy to generation.
+
+Computed once from the policy's export manifest (HF name, shape, dtype, in export order) and
+handed to both sides. The sender packs bucket k by the plan; the receiver unpacks bucket k by
+the same plan. Nobody re-derives names, order or offsets.
+
+A bucket is one flat uint8 buffer of at most `bucket_bytes` (a single tensor larger than the
+budget gets a bucket of its own). Inside a bucket, tensors are grouped by dtype into contiguous
+regions so each region is one typed flat array. Buckets are filled in export order, so the
+sender can close a bucket as soon as its last tensor has streamed by.
+"""
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+
+_ALIGN = 16  # bytes; every slot offset is a multiple, so any dtype view is aligned
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # dtype on the wire (and in the generation model)
+    offset: int  # bytes from the start of the bucket buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    slots: tuple[Slot, ...]
+    nbytes: int
+
+    def describe(self) -> str:
+        names = [s.name for s in self.slots]
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)} tensors)" if len(names) > 3 else "")
+        return f"bucket {self.index} [{shown}]"
+
+
+@dataclass(frozen=True)
+class PackedBucket:
+    index: int
+    buffer: torch.Tensor  # flat uint8
+    checksum: int | None
+
+
+class RefitIntegrityError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class RefitPlan:
+    buckets: tuple[Bucket, ...]
+
+    @staticmethod
+    def build(manifest: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int,
+              transfer_dtype: str | None = None, keep_fp32: tuple[str, ...] = ()) -> "RefitPlan":
+        """manifest: (hf_name, shape, dtype) in export order.
+        transfer_dtype: cast floating tensors to this dtype on the wire (the generation model's
+        dtype); names matching a keep_fp32 glob stay float32 whatever transfer_dtype says."""
+        groups: list[list[tuple[str, tuple[int, ...], str]]] = []
+        current, current_bytes = [], 0
+        for name, shape, dtype in manifest:
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in keep_fp32):
+                dtype = "float32"
+            elif transfer_dtype and getattr(torch, dtype).is_floating_point:
+                dtype = transfer_dtype
+            size = _aligned(_nbytes(tuple(shape), dtype))
+            if current and current_bytes + size > bucket_bytes:
+                groups.append(current)
+                current, current_bytes = [], 0
+            current.append((name, tuple(shape), dtype))
+            current_bytes += size
+        if current:
+            groups.append(current)
+        return RefitPlan(tuple(RefitPlan._layout(i, g) for i, g in enumerate(groups)))
+
+    @staticmethod
+    def _layout(index: int, tensors: list[tuple[str, tuple[int, ...], str]]) -> Bucket:
+        slots, offset = [], 0
+        for dtype in dict.fromkeys(t[2] for t in tensors):  # dtype regions, first-seen order
+            for name, shape, tensor_dtype in tensors:
+                if tensor_dtype == dtype:
+                    nbytes = _nbytes(shape, dtype)
+                    slots.append(Slot(name, shape, dtype, offset, nbytes))
+                    offset += _aligned(nbytes)
+        return Bucket(index, tuple(slots), offset)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for b in self.buckets for s in b.slots]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def bucket_of(self) -> dict[str, int]:
+        return {s.name: b.index for b in self.buckets for s in b.slots}
+
+    def pack(self, index: int, tensors: dict[str, torch.Tensor], with_checksum: bool) -> PackedBucket:
+        bucket = self.buckets[index]
+        device = next(iter(tensors.values())).device if tensors else "cpu"
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        for slot in bucket.slots:
+            tensor = tensors[slot.name]
+            if tuple(tensor.shape) != slot.shape:
+                raise RefitIntegrityError(f"refit: {slot.name} has shape {tuple(tensor.shape)} but the plan "
+                                          f"says {slot.shape}; the plan is stale, rebuild it")
+            region = buffer[slot.offset: slot.offset + slot.nbytes]
+            region.view(getattr(torch, slot.dtype)).copy_(tensor.reshape(-1))
+        return PackedBucket(index, buffer, bucket_checksum(buffer) if with_checksum else None)
+
+    def unpack(self, packed: PackedBucket, verify: bool) -> list[tuple[str, torch.Tensor]]:
+        """Views into packed.buffer, one per tensor, named and shaped by the plan."""
+        bucket = self.buckets[packed.index]
+        if packed.buffer.numel() != bucket.nbytes:
+            raise RefitIntegrityError(f"refit: {bucket.describe()} arrived with {packed.buffer.numel()} bytes, "
+                                      f"the plan says {bucket.nbytes}")
+        if verify:
+            if packed.checksum is None:
+                raise RefitIntegrityError(f"refit: {bucket.describe()} carries no checksum but verification is "
+                                          "on; enable refit.verify_checksums on the sender too")
+            actual = bucket_checksum(packed.buffer)
+            if actual != packed.checksum:
+                raise RefitIntegrityError(f"refit: {bucket.describe()} failed its checksum (sent {packed.checksum}, "
+                                          f"received {actual}): the bytes were corrupted in transit")
+        return [(s.name, packed.buffer[s.offset: s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape))
+                for s in bucket.slots]
+
+
+def bucket_checksum(buffer: torch.Tensor) -> int:
+    """Fletcher-style checksum of a uint8 buffer, computed on its own device: sensitive to
+    flipped bits and to reordered words. Integer arithmetic wraps identically on CPU and GPU."""
+    padded = torch.nn.functional.pad(buffer, (0, (-buffer.numel()) % 4))
+    words = padded.view(torch.int32).to(torch.int64)
+    positions = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
+    return int(words.sum().item()) * 1_000_003 + int((words * positions).sum().item())

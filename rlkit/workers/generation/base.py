@@ -1,0 +1,52 @@
+"""The generation interface. HF transformers implements it for CPU; vLLM for GPUs."""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from rlkit.refit.plan import PackedBucket, RefitPlan
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float  # 0 means greedy
+    top_p: float
+    top_k: int  # 0 disables
+    seed: int
+
+
+@dataclass
+class Generations:
+    """Per prompt, in input order: the generated token ids (ending with EOS unless truncated)
+    and the sampler's logprob of each, computed on logits / temperature over the full vocab
+    (before top-p/top-k), i.e. the distribution the trainer's logprobs describe."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+
+
+class GenerationWorker(ABC):
+    @abstractmethod
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations: ...
+
+    @abstractmethod
+    def begin_refit(self, plan: RefitPlan, verify_checksums: bool) -> None:
+        """Check the plan covers exactly this model's weights with matching shapes."""
+
+    @abstractmethod
+    def load_bucket(self, packed: PackedBucket) -> None: ...
+
+    @abstractmethod
+    def end_refit(self) -> None:
+        """Fail unless every bucket of the plan arrived."""
+
+    @abstractmethod
+    def weights(self) -> dict:
+        """HF-named weights as this worker holds them (verification, tests)."""
+
+    @abstractmethod
+    def sleep(self) -> None:
+        """Release accelerator memory (weights, KV cache) while the policy trains."""
+
+    @abstractmethod
+    def wake(self) -> None: ...

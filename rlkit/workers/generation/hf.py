@@ -1,0 +1,85 @@
+"""HF transformers generation worker: the CPU backend behind the GenerationWorker interface."""
+
+import torch
+
+from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan
+from rlkit.workers.generation.base import Generations, GenerationWorker, SamplingParams
+
+
+class HFGenerationWorker(GenerationWorker):
+    """Holds an HF model built from the checkpoint's config with random weights: real weights
+    arrive only through refit, so a refit that misses a tensor is caught, not masked."""
+
+    def __init__(self, model_dir: str, precision: str, threads: int, rank: int):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        self.rank = rank
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self._params = dict(self.model.named_parameters())  # tied weights appear once, as the exporter sends them
+        self._plan: RefitPlan | None = None
+        self._pending: set[int] = set()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations:
+        width = max(len(p) for p in prompt_ids)
+        input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for i, p in enumerate(prompt_ids):  # left padding: generation continues at the right edge
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            attention[i, width - len(p):] = 1
+        torch.manual_seed(params.seed)
+        greedy = params.temperature == 0
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=attention, max_new_tokens=params.max_new_tokens,
+            do_sample=not greedy, temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p, top_k=None if greedy else params.top_k,
+            pad_token_id=self.pad_id, eos_token_id=self.eos_id, output_logits=True,
+            return_dict_in_generate=True)
+        new_tokens = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1).float()  # [B, T, V] raw, before any processor
+        logprobs = torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)
+        token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        token_ids, token_lps = [], []
+        for ids, lps in zip(new_tokens.tolist(), token_logprobs.tolist()):
+            length = ids.index(self.eos_id) + 1 if self.eos_id in ids else len(ids)
+            token_ids.append(ids[:length])
+            token_lps.append(lps[:length])
+        return Generations(token_ids, token_lps)
+
+    def begin_refit(self, plan: RefitPlan, verify_checksums: bool) -> None:
+        expected = {n: tuple(p.shape) for n, p in self._params.items()}
+        planned = {s.name: s.shape for b in plan.buckets for s in b.slots}
+        missing = sorted(set(expected) - set(planned))
+        unknown = sorted(set(planned) - set(expected))
+        wrong = sorted(n for n in set(planned) & set(expected) if planned[n] != expected[n])
+        if missing or unknown or wrong:
+            raise RefitIntegrityError(
+                f"refit plan does not match generation worker {self.rank}'s model: missing={missing[:5]} "
+                f"unknown={unknown[:5]} shape-mismatch={wrong[:5]}")
+        self._plan, self._verify = plan, verify_checksums
+        self._pending = set(range(len(plan.buckets)))
+
+    @torch.no_grad()
+    def load_bucket(self, packed: PackedBucket) -> None:
+        for name, tensor in self._plan.unpack(packed, verify=self._verify):
+            self._params[name].copy_(tensor)
+        self._pending.discard(packed.index)
+
+    def end_refit(self) -> None:
+        if self._pending:
+            raise RefitIntegrityError(f"refit incomplete on generation worker {self.rank}: buckets "
+                                      f"{sorted(self._pending)} never arrived")
+        self._plan = None
+
+    def weights(self) -> dict:
+        return {n: p.detach().clone() for n, p in self._params.items()}
+
+    def sleep(self) -> None:
+        pass  # nothing to release on CPU
+
+    def wake(self) -> None:
+        pass

@@ -1,0 +1,227 @@
+"""Megatron-Core policy worker: one Ray actor per rank of the policy's TP x PP x DP grid.
+
+Each call that takes a Batch receives this rank's DP shard; the controller gathers results
+from the output ranks (TP rank 0 on the last pipeline stage) of each DP group.
+"""
+
+import os
+from datetime import timedelta
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from rlkit.algorithms.losses import (BatchTotals, ClippedPolicyLossConfig, clipped_policy_loss,
+                                     entropy_from_logits, nll_loss)
+from rlkit.config.schema import PolicyConfig
+from rlkit.data.batch import Batch
+from rlkit.refit.plan import PackedBucket, RefitPlan
+
+ON_GPU = torch.cuda.is_available()
+
+
+class MegatronPolicyWorker:
+    def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, master_addr: str,
+                 master_port: int, seed: int, threads: int, collective_timeout_s: float):
+        torch.set_num_threads(threads)
+        if not ON_GPU:
+            from rlkit.workers.policy import cpu_compat
+            cpu_compat.enable()
+        self.cfg = cfg
+        self.rank = rank
+        dist.init_process_group("nccl" if ON_GPU else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s))
+        from megatron.core import parallel_state as mpu
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel_size,
+                                      pipeline_model_parallel_size=cfg.pipeline_parallel_size)
+        self.mpu = mpu
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        from rlkit.bridge import ModelBridge
+
+        self.bf16 = cfg.precision == "bf16"
+        self.bridge = ModelBridge(model_dir, torch.bfloat16 if self.bf16 else torch.float32)
+        self.model = self.bridge.build(bf16=self.bf16, wrap_with_ddp=True,
+                                       use_distributed_optimizer=cfg.use_distributed_optimizer)
+        self.bridge.load_hf_weights(self.model)
+        self.optimizer = self._build_optimizer(cfg.optimizer.lr)
+        self.reference = None
+        self.temperature = 1.0
+
+    # ---- setup -------------------------------------------------------------------------
+    def _build_optimizer(self, lr: float):
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = self.cfg.optimizer
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=self.bf16,
+            params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
+            use_distributed_optimizer=self.cfg.use_distributed_optimizer), self.model)
+        config = self.bridge.transformer_config
+        config.finalize_model_grads_func = finalize_model_grads
+        return optimizer
+
+    def layout(self) -> dict:
+        m = self.mpu
+        return {"rank": self.rank, "tp": m.get_tensor_model_parallel_rank(),
+                "pp": m.get_pipeline_model_parallel_rank(), "dp": m.get_data_parallel_rank(),
+                "is_output": m.get_tensor_model_parallel_rank() == 0 and m.is_pipeline_last_stage()}
+
+    def set_temperature(self, temperature: float):
+        """Logprobs are computed on logits / temperature, exactly as the sampler saw them."""
+        self.temperature = temperature
+
+    def set_learning_rate(self, lr: float):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def init_reference(self):
+        """Freeze a copy of the current weights as the KL reference policy."""
+        self.reference = self.bridge.build(bf16=self.bf16, wrap_with_ddp=False)
+        for ref_chunk, chunk in zip(self.reference, self.model):
+            ref_chunk.load_state_dict(chunk.module.state_dict())
+            ref_chunk.requires_grad_(False)
+
+    # ---- forward / backward ------------------------------------------------------------
+    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token-aligned logprobs [b, S]: position t holds log p(input_ids[t] | input_ids[:t]);
+        position 0 has no prediction and holds 0. logits are vocab-parallel [b, S, V/TP]."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        shifted = logits[:, :-1].float() / self.temperature
+        logprobs = -vocab_parallel_cross_entropy(shifted.contiguous(), input_ids[:, 1:].contiguous())
+        return torch.nn.functional.pad(logprobs, (1, 0))
+
+    def _token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        with torch.no_grad():
+            full = gather_from_tensor_model_parallel_region(logits[:, :-1].float() / self.temperature)
+            return torch.nn.functional.pad(entropy_from_logits(full), (1, 0))
+
+    def _run(self, batch: Batch, chunks: list, loss_fn: Callable, forward_only: bool) -> list[dict]:
+        """Run the Megatron schedule over micro-batches of this rank's shard; loss_fn maps
+        (logits, micro_batch) -> (loss, outputs). Returns the outputs of each micro-batch
+        (empty on pipeline stages that do not compute the loss)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs = self.cfg.micro_batch_size
+        num_micro = max(len(batch) // mbs, 1)
+        micro_batches = iter(batch.split(num_micro))
+        seq_len = batch["input_ids"].shape[1]
+        device = torch.cuda.current_device() if ON_GPU else "cpu"
+
+        def forward_step(data_iterator: Iterator[Batch], model):
+            mb = next(data_iterator)
+            tokens = mb["input_ids"].to(device)
+            positions = torch.arange(seq_len, device=device).unsqueeze(0).expand_as(tokens)
+            logits = model(tokens, positions, None)
+            return logits, partial(loss_fn, micro_batch=Batch({k: v.to(device) for k, v in mb.tensors.items()}))
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=micro_batches, model=chunks,
+            num_microbatches=num_micro, seq_length=seq_len, micro_batch_size=len(batch) // num_micro,
+            forward_only=forward_only)
+
+    def _logprobs_with(self, batch: Batch, chunks: list) -> torch.Tensor | None:
+        def loss_fn(logits, micro_batch):
+            lp = self._token_logprobs(logits, micro_batch["input_ids"])
+            return torch.zeros((), device=lp.device), {"logprobs": lp.detach().cpu()}
+
+        for chunk in chunks:
+            chunk.eval()
+        with torch.no_grad():
+            outputs = self._run(batch, chunks, loss_fn, forward_only=True)
+        return torch.cat([o["logprobs"] for o in outputs]) if outputs else None
+
+    def logprobs(self, batch: Batch) -> torch.Tensor | None:
+        return self._logprobs_with(batch, self.model)
+
+    def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
+        if self.reference is None:
+            raise RuntimeError("reference_logprobs called before init_reference")
+        return self._logprobs_with(batch, self.reference)
+
+    def train(self, batch: Batch, totals: BatchTotals, loss: str,
+              policy_loss_cfg: ClippedPolicyLossConfig | None = None) -> dict | None:
+        """One optimizer step over this rank's shard of a mini-batch. loss: "policy" (clipped
+        surrogate on advantages) or "sft" (NLL on loss_mask). Returns summed metrics on output
+        ranks (None elsewhere); the controller sums them across DP ranks."""
+        num_micro = max(len(batch) // self.cfg.micro_batch_size, 1)
+        # Megatron divides each micro-batch loss by num_micro and DDP averages over DP; our losses
+        # are already exact shares of the global batch loss, so undo both scalings.
+        scale = num_micro * self.mpu.get_data_parallel_world_size()
+
+        def loss_fn(logits, micro_batch):
+            lp = self._token_logprobs(logits, micro_batch["input_ids"])
+            if loss == "sft":
+                mask = micro_batch["loss_mask"]
+                value, sums = nll_loss(lp, mask, totals)
+            else:
+                mask = micro_batch["response_mask"]
+                value, sums = clipped_policy_loss(
+                    lp, micro_batch["old_logprobs"], micro_batch["advantages"], mask, policy_loss_cfg, totals,
+                    micro_batch["reference_logprobs"] if "reference_logprobs" in micro_batch else None)
+            sums = {k: v.item() for k, v in sums.items()}
+            sums["entropy"] = (self._token_entropy(logits) * mask).sum().item()
+            sums["loss"] = value.item()
+            return value * scale, sums
+
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(batch, self.model, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError(f"policy optimizer step failed on rank {self.rank} (non-finite gradients)")
+        if not outputs:
+            return None
+        metrics = {k: sum(o[k] for o in outputs) for k in outputs[0]}
+        metrics["grad_norm"] = float(grad_norm)
+        return metrics
+
+    # ---- weights out -------------------------------------------------------------------
+    def refit_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(hf_name, shape, dtype) in export order. Collective: call on every rank."""
+        return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                for name, t in self.bridge.export_hf_weights(self.model)]
+
+    def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool) -> Iterator[PackedBucket]:
+        """Stream the weights as packed buckets, each yielded as soon as its last tensor has been
+        exported. Collective: every rank iterates the export; only rank 0 yields buckets."""
+        bucket_of = plan.bucket_of()
+        pending: dict[int, dict[str, torch.Tensor]] = {}
+        for name, tensor in self.bridge.export_hf_weights(self.model):
+            if self.rank != 0:
+                continue
+            index = bucket_of[name]
+            pending.setdefault(index, {})[name] = tensor.detach()
+            if len(pending[index]) == len(plan.buckets[index].slots):
+                yield plan.pack(index, pending.pop(index), with_checksum)
+        if pending:
+            raise RuntimeError(f"refit: export ended with incomplete buckets {sorted(pending)}")
+
+    def export_hf_weights(self) -> dict[str, torch.Tensor] | None:
+        """All HF-named weights on rank 0 (tests and verification). Collective."""
+        weights = {n: t.detach().cpu().clone() for n, t in self.bridge.export_hf_weights(self.model)}
+        return weights if self.rank == 0 else None
+
+    def save_hf(self, out_dir: str):
+        """Write an HF checkpoint (weights through the bridge, plus config and tokenizer). Collective."""
+        self.bridge.save_hf_weights(self.model, out_dir)
+        if self.rank == 0:
+            from transformers import AutoTokenizer
+            self.bridge.hf_config.save_pretrained(out_dir)
+            AutoTokenizer.from_pretrained(self.bridge.hf_dir).save_pretrained(out_dir)
+        dist.barrier()
+
+    def shutdown(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os._exit(0)

@@ -1,0 +1,247 @@
+"""Policy losses against hand-computed cases and explicit per-sequence, per-token loop references."""
+
+import math
+
+import pytest
+import torch
+
+from rlkit.algorithms.losses import (LOSS_AGGREGATIONS, BatchTotals, ClippedPolicyLossConfig, aggregate,
+                                     batch_totals, clipped_policy_loss, entropy_from_logits, kl_k3, nll_loss)
+
+
+def cfg(aggregation="token-mean", clip_low=0.2, clip_high=0.28, kl_coef=0.0):
+    return ClippedPolicyLossConfig(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, aggregation=aggregation)
+
+
+# ---- loop references --------------------------------------------------------------------------
+
+def ref_aggregate(values, mask, mode, num_tokens, num_sequences):
+    """values, mask: nested lists [B][S]; totals passed explicitly."""
+    total = 0.0
+    for row, row_mask in zip(values, mask):
+        seq_sum, seq_len = 0.0, 0.0
+        for v, m in zip(row, row_mask):
+            seq_sum += v * m
+            seq_len += m
+        if mode == "seq-mean-token-mean":
+            total += seq_sum / seq_len if seq_len > 0 else 0.0
+        else:
+            total += seq_sum
+    if mode == "token-mean":
+        return total / max(num_tokens, 1.0)
+    return total / max(num_sequences, 1.0)
+
+
+def ref_k3(lp, ref):
+    return math.exp(ref - lp) - (ref - lp) - 1.0
+
+
+def ref_per_token_loss(lp, old, adv, ref, c):
+    """Per-token loss and whether the clipped branch was taken, for one token."""
+    ratio = math.exp(lp - old)
+    unclipped = ratio * adv
+    clipped = min(max(ratio, 1.0 - c.clip_low), 1.0 + c.clip_high) * adv
+    loss = -min(unclipped, clipped)
+    if c.kl_coef > 0:
+        loss += c.kl_coef * ref_k3(lp, ref)
+    return loss, clipped < unclipped
+
+
+def random_inputs(batch=6, seq=7, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = -torch.rand(batch, seq, generator=gen) * 3
+    old = logprobs + 0.4 * torch.randn(batch, seq, generator=gen)
+    ref = logprobs + 0.4 * torch.randn(batch, seq, generator=gen)
+    adv = torch.randn(batch, generator=gen)
+    lengths = [seq, 3, 0, 1, 5, seq][:batch]  # includes an all-masked (zero-length) response
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(seq)] for n in lengths])
+    return logprobs, old, ref, adv, mask
+
+
+# ---- clipped policy loss ----------------------------------------------------------------------
+
+# (ratio, advantage, expected per-token loss, clipped?) with clip_low=0.2, clip_high=0.28
+HAND_CASES = [
+    (1.5, 1.0, -1.28, True),    # above 1+clip_high, positive advantage: clipped to 1.28
+    (0.5, -1.0, 0.8, True),     # below 1-clip_low, negative advantage: clipped to 0.8
+    (1.1, 2.0, -2.2, False),    # inside the range
+    (1.25, 1.0, -1.25, False),  # inside only because clip_high (0.28) > clip_low (0.2)
+    (0.82, -1.0, 0.82, False),  # inside, near the low bound
+    (0.5, 1.0, -0.5, False),    # below range but positive advantage: min keeps the unclipped term
+    (1.5, -1.0, 1.5, False),    # above range but negative advantage: min keeps the unclipped term
+]
+
+
+def test_hand_computed_clipping_cases_and_clip_count():
+    ratios = torch.tensor([[r for r, _, _, _ in HAND_CASES]])
+    advantages = torch.tensor([[a for _, a, _, _ in HAND_CASES]])  # [B, S] advantages
+    old = torch.zeros_like(ratios)
+    logprobs = torch.log(ratios).requires_grad_(True)
+    mask = torch.ones_like(ratios)
+    n = len(HAND_CASES)
+    loss, sums = clipped_policy_loss(logprobs, old, advantages, mask, cfg(), batch_totals(mask))
+    expected = sum(e for _, _, e, _ in HAND_CASES) / n
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert sums["clipped_tokens"].item() == sum(c for _, _, _, c in HAND_CASES) == 2
+    assert "kl" not in sums
+    # clipped tokens get no gradient; the others get d(-r*A)/d(lp) / n = -r*A / n
+    loss.backward()
+    for t, (r, a, _, was_clipped) in enumerate(HAND_CASES):
+        assert logprobs.grad[0, t].item() == pytest.approx(0.0 if was_clipped else -r * a / n, abs=1e-6)
+
+
+def test_clip_count_respects_mask():
+    ratios = torch.tensor([[1.5, 1.5, 1.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    _, sums = clipped_policy_loss(torch.log(ratios), torch.zeros_like(ratios), torch.tensor([1.0]), mask, cfg(),
+                                  batch_totals(mask))
+    assert sums["clipped_tokens"].item() == 2.0
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_clipped_policy_loss_matches_loop_reference(aggregation, kl_coef):
+    logprobs, old, ref, adv, mask = random_inputs()
+    c = cfg(aggregation, kl_coef=kl_coef)
+    loss, sums = clipped_policy_loss(logprobs, old, adv, mask, c, batch_totals(mask), reference_logprobs=ref)
+
+    per_token, clip_count, kl_sum = [], 0.0, 0.0
+    for b in range(logprobs.shape[0]):
+        row = []
+        for t in range(logprobs.shape[1]):
+            value, was_clipped = ref_per_token_loss(logprobs[b, t].item(), old[b, t].item(), adv[b].item(),
+                                                    ref[b, t].item(), c)
+            row.append(value)
+            clip_count += was_clipped * mask[b, t].item()
+            kl_sum += ref_k3(logprobs[b, t].item(), ref[b, t].item()) * mask[b, t].item()
+        per_token.append(row)
+    expected = ref_aggregate(per_token, mask.tolist(), aggregation, mask.sum().item(), mask.shape[0])
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert sums["clipped_tokens"].item() == clip_count
+    if kl_coef > 0:
+        assert sums["kl"].item() == pytest.approx(kl_sum, rel=1e-5)
+
+
+def test_kl_coef_without_reference_raises():
+    logprobs, old, _, adv, mask = random_inputs()
+    with pytest.raises(ValueError, match="reference_logprobs"):
+        clipped_policy_loss(logprobs, old, adv, mask, cfg(kl_coef=0.1), batch_totals(mask))
+
+
+def test_padding_values_do_not_leak():
+    logprobs, old, ref, adv, mask = random_inputs()
+    garbage = torch.where(mask.bool(), logprobs, torch.full_like(logprobs, -5.0))
+    for aggregation in LOSS_AGGREGATIONS:
+        c = cfg(aggregation, kl_coef=0.1)
+        a, _ = clipped_policy_loss(logprobs, old, adv, mask, c, batch_totals(mask), ref)
+        b, _ = clipped_policy_loss(garbage, old, adv, mask, c, batch_totals(mask), ref)
+        assert a.item() == pytest.approx(b.item(), rel=1e-6)
+
+
+# ---- KL ---------------------------------------------------------------------------------------
+
+def test_k3_formula_nonnegative_and_zero_when_equal():
+    gen = torch.Generator().manual_seed(1)
+    lp, ref = -3 * torch.rand(4, 5, generator=gen), -3 * torch.rand(4, 5, generator=gen)
+    kl = kl_k3(lp, ref)
+    assert (kl >= 0).all()
+    for b in range(4):
+        for t in range(5):
+            assert kl[b, t].item() == pytest.approx(ref_k3(lp[b, t].item(), ref[b, t].item()), rel=1e-5, abs=1e-7)
+    assert kl_k3(lp, lp).tolist() == [[0.0] * 5] * 4
+    # hand value: lp = 0, ref = log 2 -> 2 - log 2 - 1
+    assert kl_k3(torch.tensor(0.0), torch.tensor(math.log(2))).item() == pytest.approx(1 - math.log(2), abs=1e-6)
+
+
+# ---- aggregation ------------------------------------------------------------------------------
+
+def test_aggregation_hand_computed():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # last row: zero-length
+    totals = batch_totals(mask)
+    assert totals == BatchTotals(num_tokens=4.0, num_sequences=3.0)
+    assert aggregate(values, mask, "token-mean", totals).item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert aggregate(values, mask, "seq-mean-token-mean", totals).item() == pytest.approx((2 + 4 + 0) / 3)
+    assert aggregate(values, mask, "seq-mean-token-sum", totals).item() == pytest.approx((6 + 4 + 0) / 3)
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+def test_all_masked_batch_gives_zero_loss_and_finite_grad(aggregation):
+    values = torch.randn(2, 4, requires_grad=True)
+    mask = torch.zeros(2, 4)
+    loss = aggregate(values, mask, aggregation, batch_totals(mask))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.isfinite(values.grad).all() and (values.grad == 0).all()
+
+
+def test_unknown_aggregation_names_the_choices():
+    with pytest.raises(ValueError) as info:
+        aggregate(torch.ones(1, 1), torch.ones(1, 1), "sum", BatchTotals(1.0, 1.0))
+    for choice in LOSS_AGGREGATIONS:
+        assert choice in str(info.value)
+    assert "'sum'" in str(info.value)
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("boundaries", [[0, 2, 4, 6], [0, 1, 3, 6], [0, 6]])
+def test_micro_batch_losses_sum_to_full_batch_loss(aggregation, boundaries):
+    """Gradient accumulation: each micro-batch uses the whole batch's totals; sums must match."""
+    logprobs, old, ref, adv, mask = random_inputs()
+    c, totals = cfg(aggregation, kl_coef=0.05), batch_totals(mask)
+
+    full_lp = logprobs.clone().requires_grad_(True)
+    full, _ = clipped_policy_loss(full_lp, old, adv, mask, c, totals, ref)
+    full.backward()
+
+    accumulated_lp = logprobs.clone().requires_grad_(True)
+    accumulated, clip_count = 0.0, 0.0
+    for start, stop in zip(boundaries, boundaries[1:]):
+        part, sums = clipped_policy_loss(accumulated_lp[start:stop], old[start:stop], adv[start:stop],
+                                         mask[start:stop], c, totals, ref[start:stop])
+        part.backward()
+        accumulated += part.item()
+        clip_count += sums["clipped_tokens"].item()
+
+    assert accumulated == pytest.approx(full.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(accumulated_lp.grad, full_lp.grad)
+    _, full_sums = clipped_policy_loss(logprobs, old, adv, mask, c, totals, ref)
+    assert clip_count == full_sums["clipped_tokens"].item()
+
+
+# ---- nll and entropy --------------------------------------------------------------------------
+
+def test_nll_loss_is_token_mean_of_negative_logprobs():
+    logprobs, _, _, _, mask = random_inputs()
+    loss, sums = nll_loss(logprobs, mask, batch_totals(mask))
+    total, count = 0.0, 0
+    for b in range(logprobs.shape[0]):
+        for t in range(logprobs.shape[1]):
+            if mask[b, t] > 0:
+                total += -logprobs[b, t].item()
+                count += 1
+    assert loss.item() == pytest.approx(total / count, rel=1e-6)
+    assert sums == {}
+    # hand value: logprobs log(0.5), log(0.25) -> (log 2 + log 4) / 2
+    loss, _ = nll_loss(torch.log(torch.tensor([[0.5, 0.25, 0.1]])), torch.tensor([[1.0, 1.0, 0.0]]),
+                       BatchTotals(2.0, 1.0))
+    assert loss.item() == pytest.approx(1.5 * math.log(2), abs=1e-6)
+
+
+def test_entropy_from_logits_matches_formula():
+    gen = torch.Generator().manual_seed(2)
+    logits = 3 * torch.randn(2, 3, 11, generator=gen)
+    entropy = entropy_from_logits(logits)
+    assert entropy.shape == (2, 3)
+    for b in range(2):
+        for t in range(3):
+            row = logits[b, t].tolist()
+            z = sum(math.exp(x) for x in row)
+            expected = -sum((math.exp(x) / z) * math.log(math.exp(x) / z) for x in row)
+            assert entropy[b, t].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_entropy_hand_values_and_dtype():
+    assert entropy_from_logits(torch.zeros(8)).item() == pytest.approx(math.log(8), abs=1e-6)  # uniform
+    assert entropy_from_logits(torch.tensor([0.0, -1e4])).item() == pytest.approx(0.0, abs=1e-6)  # one-hot
+    assert entropy_from_logits(torch.zeros(2, 4, dtype=torch.bfloat16)).dtype == torch.float32

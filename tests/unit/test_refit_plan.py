@@ -1,0 +1,209 @@
+"""RefitPlan: layout, dtype policy, bit-exact pack/unpack round trips, integrity errors."""
+
+import pytest
+import torch
+
+from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan, Slot
+
+MIXED = [  # interleaved dtypes so the per-dtype regions have to reorder them
+    ("model.embed.weight", (3, 5), "float32"),
+    ("model.norm.weight", (7,), "bfloat16"),
+    ("model.position_ids", (4,), "int64"),
+    ("model.half.weight", (2, 3), "float16"),
+    ("model.layers.0.mlp.gate.e_score_correction_bias", (3,), "float32"),
+    ("model.scalar", (), "bfloat16"),
+]
+
+
+def make_tensors(manifest, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape, dtype in manifest:
+        dt = getattr(torch, dtype)
+        if dt.is_floating_point:
+            t = torch.randn(shape, generator=gen).to(dt)
+            if t.numel() >= 4:  # bit patterns that value comparisons would miss
+                flat = t.view(-1)
+                flat[0], flat[1], flat[2], flat[3] = float("nan"), float("-inf"), -0.0, torch.finfo(dt).tiny / 2
+        elif dt == torch.bool:
+            t = torch.randint(0, 2, shape, generator=gen).bool()
+        else:
+            info = torch.iinfo(dt)
+            t = torch.randint(info.min, info.max, shape, generator=gen, dtype=dt)
+        out[name] = t
+    return out
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def round_trip(plan, tensors, verify=True):
+    received = {}
+    for bucket in plan.buckets:
+        packed = plan.pack(bucket.index, {s.name: tensors[s.name] for s in bucket.slots}, with_checksum=verify)
+        for name, tensor in plan.unpack(packed, verify=verify):
+            assert name not in received
+            received[name] = tensor
+    return received
+
+
+def test_mixed_dtypes_in_one_bucket_round_trip_bit_exact():
+    plan = RefitPlan.build(MIXED, bucket_bytes=1 << 20)
+    assert len(plan.buckets) == 1
+    tensors = make_tensors(MIXED)
+    received = round_trip(plan, tensors)
+    assert set(received) == {name for name, _, _ in MIXED}
+    for name, shape, dtype in MIXED:
+        assert received[name].dtype == getattr(torch, dtype) and tuple(received[name].shape) == shape
+        assert bits(received[name]) == bits(tensors[name]), name
+
+
+def test_hand_computed_layout():
+    manifest = [("a", (3,), "float32"), ("b", (5,), "bfloat16"), ("c", (1,), "float32")]
+    plan = RefitPlan.build(manifest, bucket_bytes=1000)
+    # float32 region first (first-seen dtype), each slot padded to 16 bytes
+    assert plan.buckets[0].slots == (Slot("a", (3,), "float32", 0, 12), Slot("c", (1,), "float32", 16, 4),
+                                     Slot("b", (5,), "bfloat16", 32, 10))
+    assert plan.buckets[0].nbytes == plan.total_bytes == 48
+    # a budget of 32 bytes fits a and b (16 + 16 aligned), c opens a second bucket
+    plan = RefitPlan.build(manifest, bucket_bytes=32)
+    assert [[s.name for s in b.slots] for b in plan.buckets] == [["a", "b"], ["c"]]
+    assert [b.index for b in plan.buckets] == [0, 1]
+
+
+def test_tensor_larger_than_budget_gets_its_own_bucket():
+    manifest = [("small.a", (4,), "float32"), ("big", (100,), "float32"), ("small.b", (2,), "float32")]
+    plan = RefitPlan.build(manifest, bucket_bytes=64)
+    assert [[s.name for s in b.slots] for b in plan.buckets] == [["small.a"], ["big"], ["small.b"]]
+    assert plan.buckets[1].nbytes == 400
+    tensors = make_tensors(manifest)
+    received = round_trip(plan, tensors)
+    for name in tensors:
+        assert bits(received[name]) == bits(tensors[name])
+
+
+def test_empty_manifest():
+    plan = RefitPlan.build([], bucket_bytes=1024)
+    assert plan.buckets == () and plan.names == [] and plan.bucket_of() == {} and plan.total_bytes == 0
+
+
+def random_manifest(n=40, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = ["float32", "bfloat16", "int64", "float16", "int32", "bool"]
+    manifest = []
+    for i in range(n):
+        shape = tuple(int(d) for d in torch.randint(1, 9, (int(torch.randint(0, 3, ())),), generator=gen))
+        manifest.append((f"layer.{i}.w", shape, dtypes[int(torch.randint(0, len(dtypes), ()))]))
+    return manifest
+
+
+def test_slots_aligned_non_overlapping_and_within_budget():
+    budget = 128
+    plan = RefitPlan.build(random_manifest(), bucket_bytes=budget)
+    assert len(plan.buckets) > 3
+    for bucket in plan.buckets:
+        end = 0
+        for slot in sorted(bucket.slots, key=lambda s: s.offset):
+            assert slot.offset % 16 == 0, slot
+            assert slot.offset >= end, f"{slot.name} overlaps the previous slot"
+            end = slot.offset + slot.nbytes
+        assert end <= bucket.nbytes and bucket.nbytes % 16 == 0
+        if len(bucket.slots) > 1:
+            assert bucket.nbytes <= budget
+
+
+def test_every_tensor_in_exactly_one_bucket_in_manifest_order():
+    manifest = random_manifest()
+    plan = RefitPlan.build(manifest, bucket_bytes=128)
+    names = [name for name, _, _ in manifest]
+    assert sorted(plan.names) == sorted(names) and len(set(plan.names)) == len(names)
+    bucket_of = plan.bucket_of()
+    for bucket in plan.buckets:
+        for slot in bucket.slots:
+            assert bucket_of[slot.name] == bucket.index
+    # walking the manifest, bucket indices never go back: bucket k is a contiguous run of it
+    position = 0
+    for bucket in plan.buckets:
+        run = names[position: position + len(bucket.slots)]
+        assert sorted(run) == sorted(s.name for s in bucket.slots)
+        position += len(bucket.slots)
+    assert position == len(names)
+    # with a single dtype no regrouping happens, so names is exactly the manifest order
+    single = [(n, s, "float32") for n, s, _ in manifest]
+    assert RefitPlan.build(single, bucket_bytes=128).names == names
+
+
+def test_random_manifest_round_trips_bit_exact():
+    manifest = random_manifest()
+    plan = RefitPlan.build(manifest, bucket_bytes=128)
+    tensors = make_tensors(manifest)
+    received = round_trip(plan, tensors)
+    for name in tensors:
+        assert bits(received[name]) == bits(tensors[name]), name
+
+
+def test_transfer_dtype_and_keep_fp32():
+    plan = RefitPlan.build(MIXED, bucket_bytes=1 << 20, transfer_dtype="bfloat16",
+                           keep_fp32=("*e_score_correction_bias",))
+    wire = {s.name: s.dtype for b in plan.buckets for s in b.slots}
+    assert wire == {
+        "model.embed.weight": "bfloat16",
+        "model.norm.weight": "bfloat16",
+        "model.position_ids": "int64",  # integers are never cast
+        "model.half.weight": "bfloat16",
+        "model.layers.0.mlp.gate.e_score_correction_bias": "float32",  # glob keeps it fp32
+        "model.scalar": "bfloat16",
+    }
+    tensors = make_tensors(MIXED)
+    received = round_trip(plan, tensors)
+    for name, tensor in tensors.items():
+        expected = tensor.to(getattr(torch, wire[name]))
+        assert received[name].dtype == expected.dtype and bits(received[name]) == bits(expected), name
+
+
+def test_corrupted_byte_names_bucket_and_tensor():
+    manifest = [("first.w", (8,), "float32"), ("second.w", (8,), "float32"), ("third.b", (3,), "bfloat16")]
+    plan = RefitPlan.build(manifest, bucket_bytes=32)
+    assert len(plan.buckets) == 3
+    tensors = make_tensors(manifest)
+    packed = plan.pack(1, {"second.w": tensors["second.w"]}, with_checksum=True)
+    plan.unpack(packed, verify=True)  # intact: no error
+    for position in range(packed.buffer.numel()):  # every single-byte corruption is caught
+        corrupted = packed.buffer.clone()
+        corrupted[position] ^= 0x01
+        with pytest.raises(RefitIntegrityError) as info:
+            plan.unpack(PackedBucket(1, corrupted, packed.checksum), verify=True)
+        assert "bucket 1" in str(info.value) and "second.w" in str(info.value)
+    plan.unpack(PackedBucket(1, corrupted, packed.checksum), verify=False)  # no verification, no error
+    swapped = packed.buffer.clone()  # two reordered 4-byte words are caught too
+    swapped[0:4], swapped[4:8] = packed.buffer[4:8], packed.buffer[0:4]
+    assert not torch.equal(swapped, packed.buffer)
+    with pytest.raises(RefitIntegrityError, match="bucket 1"):
+        plan.unpack(PackedBucket(1, swapped, packed.checksum), verify=True)
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_wrong_size_buffer_raises(delta):
+    plan = RefitPlan.build(MIXED, bucket_bytes=1 << 20)
+    packed = plan.pack(0, make_tensors(MIXED), with_checksum=False)
+    wrong = torch.zeros(packed.buffer.numel() + delta, dtype=torch.uint8)
+    with pytest.raises(RefitIntegrityError, match="bucket 0"):
+        plan.unpack(PackedBucket(0, wrong, None), verify=False)
+
+
+def test_shape_mismatch_at_pack_raises():
+    plan = RefitPlan.build(MIXED, bucket_bytes=1 << 20)
+    tensors = make_tensors(MIXED)
+    tensors["model.half.weight"] = torch.zeros(3, 2, dtype=torch.float16)  # same numel, wrong shape
+    with pytest.raises(RefitIntegrityError, match="model.half.weight"):
+        plan.pack(0, tensors, with_checksum=False)
+
+
+def test_verify_without_checksum_raises():
+    plan = RefitPlan.build(MIXED, bucket_bytes=1 << 20)
+    packed = plan.pack(0, make_tensors(MIXED), with_checksum=False)
+    assert packed.checksum is None
+    with pytest.raises(RefitIntegrityError, match="no checksum"):
+        plan.unpack(packed, verify=True)
+    assert len(plan.unpack(packed, verify=False)) == len(MIXED)
