@@ -31,7 +31,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, totals: Batch
     seq-mean-token-mean: mean over sequences of each sequence's token mean (GRPO paper)
     seq-mean-token-sum:  mean over sequences of each sequence's token sum (Dr.GRPO)
     """
-    masked = values * mask
+    masked = torch.where(mask.bool(), values, torch.zeros_like(values))  # padding may hold inf
     if mode == "token-mean":
         return masked.sum() / max(totals.num_tokens, 1.0)
     if mode == "seq-mean-token-mean":

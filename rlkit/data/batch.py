@@ -60,6 +60,8 @@ class Batch:
     @staticmethod
     def concat(batches: list["Batch"]) -> "Batch":
         keys = batches[0].tensors.keys()
+        if any(b.tensors.keys() != keys for b in batches):
+            raise ValueError(f"cannot concat batches with different fields: {[sorted(b.tensors) for b in batches]}")
         return Batch({k: torch.cat([b.tensors[k] for b in batches]) for k in keys})
 
 

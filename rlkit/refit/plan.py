@@ -78,10 +78,11 @@ class RefitPlan:
         groups: list[list[tuple[str, tuple[int, ...], str]]] = []
         current, current_bytes = [], 0
         for name, shape, dtype in manifest:
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in keep_fp32):
-                dtype = "float32"
-            elif transfer_dtype and getattr(torch, dtype).is_floating_point:
-                dtype = transfer_dtype
+            if getattr(torch, dtype).is_floating_point:
+                if any(fnmatch.fnmatchcase(name, pattern) for pattern in keep_fp32):
+                    dtype = "float32"
+                elif transfer_dtype:
+                    dtype = transfer_dtype
             size = _aligned(_nbytes(tuple(shape), dtype))
             if current and current_bytes + size > bucket_bytes:
                 groups.append(current)
@@ -117,7 +118,7 @@ class RefitPlan:
     def pack(self, index: int, tensors: dict[str, torch.Tensor], with_checksum: bool) -> PackedBucket:
         bucket = self.buckets[index]
         device = next(iter(tensors.values())).device if tensors else "cpu"
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=device)  # padding bytes are checksummed
         for slot in bucket.slots:
             tensor = tensors[slot.name]
             if tuple(tensor.shape) != slot.shape:
