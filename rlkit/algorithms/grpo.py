@@ -129,7 +129,7 @@ def _starting_checkpoint(cfg: RootConfig, model_dir: Path) -> tuple[Path, Path |
     w = cfg.algorithm.warm_start
     if w.sft_steps == 0:
         return model_dir, None
-    key = cache_key(str(model_dir), w.sft_steps, w.batch_size, w.lr, cfg.data, cfg.policy.optimizer, cfg.run.seed)
+    key = cache_key(str(model_dir), w.sft_steps, w.batch_size, w.lr, cfg.data, cfg.run.seed)
     warm_dir = Path(cfg.run.cache_dir).resolve() / f"warm-start-{key}"
     if (warm_dir / "config.json").is_file():
         log.info("warm start: using the cached SFT checkpoint %s", warm_dir)

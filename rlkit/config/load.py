@@ -54,7 +54,7 @@ def to_typed(cfg: DictConfig) -> RootConfig:
 
 def _choice(key: str, value, choices):
     if value not in choices:
-        raise ConfigError(f"{key}: must be one of {list(choices)} (got: {value!r})")
+        raise ConfigError(f"{key}: must be one of {list(choices)} (got: {value!r}); pick one of those")
 
 
 def _attention_heads(model_path: str) -> tuple[int, int] | None:
@@ -66,8 +66,12 @@ def _attention_heads(model_path: str) -> tuple[int, int] | None:
     if not config_file.is_file():
         raise ConfigError(f"policy.model_path: {config_file} does not exist; give an HF checkpoint directory "
                           f"or tiny://<qwen2|qwen3|llama>")
-    hf = json.loads(config_file.read_text())
-    return hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+    try:
+        hf = json.loads(config_file.read_text())
+        return hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+    except (json.JSONDecodeError, KeyError) as e:
+        raise ConfigError(f"policy.model_path: {config_file} is not a usable HF config ({type(e).__name__}: {e}); "
+                          f"point policy.model_path at a complete HF checkpoint directory") from None
 
 
 def validate(cfg: RootConfig) -> None:
@@ -91,14 +95,21 @@ def validate(cfg: RootConfig) -> None:
     for key, value in [("policy.num_workers", p.num_workers), ("policy.tensor_parallel_size", p.tensor_parallel_size),
                        ("policy.pipeline_parallel_size", p.pipeline_parallel_size),
                        ("policy.micro_batch_size", p.micro_batch_size), ("generation.num_workers", g.num_workers),
+                       ("policy.train_global_batch_size", p.train_global_batch_size),
+                       ("algorithm.warm_start.batch_size", a.warm_start.batch_size),
+                       ("cluster.num_cpus", cfg.cluster.num_cpus), ("algorithm.val_every", a.val_every),
                        ("algorithm.prompts_per_step", a.prompts_per_step), ("algorithm.num_steps", a.num_steps),
                        ("generation.max_new_tokens", g.max_new_tokens)]:
         if value < 1:
-            raise ConfigError(f"{key}: must be >= 1 (got: {value})")
+            raise ConfigError(f"{key}: must be >= 1 (got: {value}); set a positive value")
+    if a.warm_start.sft_steps < 0:
+        raise ConfigError(f"algorithm.warm_start.sft_steps: must be >= 0 (got: {a.warm_start.sft_steps}); "
+                          "0 skips the warm start")
     model_parallel = p.tensor_parallel_size * p.pipeline_parallel_size
     if p.num_workers % model_parallel:
-        raise ConfigError(f"policy.num_workers: must be a multiple of tensor_parallel_size x pipeline_parallel_size "
-                          f"= {model_parallel} (got: {p.num_workers})")
+        raise ConfigError(f"policy.num_workers: must be a multiple of policy.tensor_parallel_size x "
+                          f"policy.pipeline_parallel_size = {model_parallel} (got: {p.num_workers}); "
+                          f"set it to a multiple of {model_parallel}")
     dp = p.num_workers // model_parallel
     if p.train_global_batch_size % (dp * p.micro_batch_size):
         raise ConfigError(f"policy.train_global_batch_size: must be divisible by DP ({dp}) x "
@@ -110,7 +121,7 @@ def validate(cfg: RootConfig) -> None:
     rollout = a.prompts_per_step * a.group_size
     if rollout % p.train_global_batch_size:
         raise ConfigError(f"policy.train_global_batch_size: must divide the rollout size algorithm.prompts_per_step "
-                          f"x algorithm.group_size = {rollout} (got: {p.train_global_batch_size})")
+                          f"x algorithm.group_size = {rollout} (got: {p.train_global_batch_size}); pick a divisor of {rollout}")
     heads, kv_heads = _attention_heads(p.model_path)
     for name, count in [("attention heads", heads), ("key/value heads", kv_heads)]:
         if count % p.tensor_parallel_size:
@@ -120,7 +131,8 @@ def validate(cfg: RootConfig) -> None:
         raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb})")
     if a.warm_start.sft_steps > 0 and a.warm_start.batch_size % (dp * p.micro_batch_size):
         raise ConfigError(f"algorithm.warm_start.batch_size: must be divisible by DP ({dp}) x "
-                          f"policy.micro_batch_size ({p.micro_batch_size}) (got: {a.warm_start.batch_size})")
+                          f"policy.micro_batch_size ({p.micro_batch_size}) (got: {a.warm_start.batch_size}); "
+                          f"set it to a multiple of {dp * p.micro_batch_size}")
 
 
 def load_config(name: str, overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> tuple[RootConfig, DictConfig]:

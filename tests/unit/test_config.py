@@ -1,0 +1,306 @@
+"""Config loading: every error the loader produces names the offending dotted key and says how to fix it;
+applying the fix makes the same config load. Also: every recipe validates, every YAML key is commented,
+and the CLI's config-error and `--cfg job` paths. Fast: no Ray, no workers, no model is built."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlkit.cli import main
+from rlkit.config.load import CONFIG_GROUPS_DIR, RECIPES_DIR, ConfigError, load_config
+from rlkit.config.schema import RootConfig
+
+RECIPE = "grpo_tiny_cpu"  # defaults: DP=2 (2 workers, TP=PP=1), micro-batch 16, global batch 128,
+# rollout 32 prompts x 8 samples = 256, warm start 40 SFT steps of 64 samples, tiny://qwen2 (4 heads / 2 KV heads)
+RECIPE_NAMES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+YAML_FILES = sorted([*CONFIG_GROUPS_DIR.rglob("*.yaml"), *RECIPES_DIR.glob("*.yaml")])
+
+
+def load_error(overrides, name=RECIPE, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(name, overrides, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message, f"config errors are one line: {message!r}"
+    return message
+
+
+def assert_names_key(message: str, key: str) -> None:
+    assert message.startswith(f"{key}: "), f"error should start with the offending key {key!r}: {message!r}"
+
+
+# ---- every error, its key, its fix, and that the fix loads ------------------------------------------------
+# (id, overrides, offending key, fragments that must appear in the message (problem and fix), overrides that fix it)
+# validate() checks in this order: choices, tiny:// name, values >= 1, num_workers % (TP x PP), global batch %
+# (DP x mbs), group_size >= 2, rollout % global batch, TP | heads and KV heads, bucket_mb > 0, warm start batch.
+# Each case's overrides only break the check it is about, so that check is the one that fires.
+ERRORS = [
+    # unknown keys: via a plain override (Hydra refuses it) and via +key (the schema refuses it)
+    ("unknown-key", ["policy.foo=1"], "policy.foo", ["unknown key", "remove it or fix its spelling"], []),
+    ("unknown-key-plus", ["+policy.foo=1"], "policy.foo", ["unknown key", "remove it or fix its spelling"], []),
+    ("unknown-nested-key", ["policy.optimizer.betas=1"], "policy.optimizer.betas",
+     ["unknown key", "remove it or fix its spelling"], []),
+    ("unknown-nested-key-plus", ["+algorithm.warm_start.epochs=1"], "algorithm.warm_start.epochs",
+     ["unknown key", "remove it or fix its spelling"], []),
+    ("unknown-top-level-key", ["+polcy.num_workers=2"], "polcy", ["unknown key", "fix its spelling"], []),
+    # wrong types
+    ("wrong-type-int", ["policy.micro_batch_size=abc"], "policy.micro_batch_size",
+     ["'abc'", "Integer", "give a value of the right type"], ["policy.micro_batch_size=16"]),
+    ("wrong-type-float", ["policy.optimizer.lr=fast"], "policy.optimizer.lr",
+     ["'fast'", "Float", "give a value of the right type"], ["policy.optimizer.lr=1e-4"]),
+    ("wrong-type-bool", ["algorithm.normalize_std=maybe"], "algorithm.normalize_std",
+     ["'maybe'", "bool", "give a value of the right type"], ["algorithm.normalize_std=false"]),
+    ("null-for-int", ["policy.num_workers=null"], "policy.num_workers",
+     ["None", "give a value of the right type"], ["policy.num_workers=2"]),
+    # a removed default leaves the value missing
+    ("missing-value", ["~policy.num_workers"], "policy.num_workers",
+     ["no value set", "policy.num_workers=..."], ["policy.num_workers=2"]),
+    # bad choices
+    ("placement", ["cluster.placement=spread"], "cluster.placement",
+     ["must be one of", "'colocated'", "'disaggregated'", "(got: 'spread')"], ["cluster.placement=disaggregated"]),
+    ("policy-precision", ["policy.precision=fp16"], "policy.precision",
+     ["must be one of", "'fp32'", "'bf16'", "(got: 'fp16')"], ["policy.precision=fp32"]),
+    ("generation-precision", ["generation.precision=fp16"], "generation.precision",
+     ["must be one of", "'fp32'", "'bf16'", "(got: 'fp16')"], ["generation.precision=bf16"]),
+    ("generation-backend", ["generation.backend=vllm"], "generation.backend",
+     ["must be one of", "'hf'", "(got: 'vllm')"], ["generation.backend=hf"]),
+    ("transport", ["refit.transport=nccl"], "refit.transport",
+     ["must be one of", "'cpu'", "(got: 'nccl')"], ["refit.transport=cpu"]),
+    ("algorithm-name", ["algorithm.name=ppo"], "algorithm.name", ["must be one of", "'grpo'", "(got: 'ppo')"],
+     ["algorithm.name=grpo"]),
+    ("loss-aggregation", ["algorithm.loss_aggregation=sum"], "algorithm.loss_aggregation",
+     ["must be one of", "'token-mean'", "'seq-mean-token-mean'", "'seq-mean-token-sum'", "(got: 'sum')"],
+     ["algorithm.loss_aggregation=seq-mean-token-sum"]),
+    ("tiny-unknown", ["policy.model_path=tiny://gpt2"], "policy.model_path",
+     ["'tiny://gpt2' is unknown", "use one of", "'tiny://qwen2'", "'tiny://qwen3'", "'tiny://llama'"],
+     ["policy.model_path=tiny://llama"]),
+    ("model-path-missing", ["policy.model_path=/nonexistent/rlkit/checkpoint"], "policy.model_path",
+     ["/nonexistent/rlkit/checkpoint/config.json does not exist", "give an HF checkpoint directory",
+      "tiny://<qwen2|qwen3|llama>"], ["policy.model_path=tiny://qwen3"]),
+    # positive counts
+    ("micro-batch-zero", ["policy.micro_batch_size=0"], "policy.micro_batch_size", ["must be >= 1", "(got: 0)"],
+     ["policy.micro_batch_size=16"]),
+    ("steps-zero", ["algorithm.num_steps=0"], "algorithm.num_steps", ["must be >= 1", "(got: 0)"],
+     ["algorithm.num_steps=1"]),
+    ("bucket-zero", ["refit.bucket_mb=0"], "refit.bucket_mb", ["must be > 0", "(got: 0"], ["refit.bucket_mb=0.5"]),
+    # parallel layout and batch arithmetic
+    ("workers-not-multiple-tp", ["policy.tensor_parallel_size=2", "policy.num_workers=3"], "policy.num_workers",
+     ["must be a multiple of", "policy.pipeline_parallel_size = 2", "(got: 3)"],
+     ["policy.tensor_parallel_size=2", "policy.num_workers=2", "policy.train_global_batch_size=128"]),
+    ("workers-not-multiple-tp-pp", ["policy.tensor_parallel_size=2", "policy.pipeline_parallel_size=2",
+                                    "policy.num_workers=6"], "policy.num_workers",
+     ["must be a multiple of", "= 4", "(got: 6)"],
+     ["policy.tensor_parallel_size=2", "policy.pipeline_parallel_size=2", "policy.num_workers=4"]),
+    ("global-batch-not-divisible", ["policy.train_global_batch_size=100"], "policy.train_global_batch_size",
+     ["divisible by DP (2) x policy.micro_batch_size (16) = 32", "(got: 100)", "set it to a multiple of 32"],
+     ["policy.train_global_batch_size=128"]),
+    ("group-size-one", ["algorithm.group_size=1"], "algorithm.group_size",
+     ["at least 2", "(got: 1)", "set it to 2 or more"],
+     ["algorithm.group_size=4"]),  # 2 would then trip the rollout check: 32 x 2 = 64 is not a multiple of 128
+    # 96 is a multiple of DP x mbs = 32 but does not divide the rollout of 32 x 8 = 256
+    ("rollout-not-divisible", ["policy.train_global_batch_size=96"], "policy.train_global_batch_size",
+     ["must divide the rollout size", "algorithm.prompts_per_step x algorithm.group_size = 256", "(got: 96)"],
+     ["policy.train_global_batch_size=96", "algorithm.prompts_per_step=24"]),  # 24 x 8 = 192 = 2 x 96
+    # TP=3 with 3 workers: DP=1, so 128 % (1 x 16), 256 % 128 and the warm start 64 % 16 all pass, num_workers is a
+    # multiple of TP x PP = 3; the first check that fails is TP | 4 attention heads. The TP/heads check is reachable.
+    ("tp-not-dividing-heads", ["policy.tensor_parallel_size=3", "policy.num_workers=3",
+                               "policy.micro_batch_size=16", "policy.train_global_batch_size=128"],
+     "policy.tensor_parallel_size", ["must divide the model's 4 attention heads", "(got: 3)", "pick a divisor of 4"],
+     ["policy.tensor_parallel_size=2", "policy.num_workers=2", "policy.micro_batch_size=16",
+      "policy.train_global_batch_size=128"]),
+    # TP=4 divides the 4 attention heads but not the 2 key/value heads
+    ("tp-not-dividing-kv-heads", ["policy.tensor_parallel_size=4", "policy.num_workers=4",
+                                  "policy.micro_batch_size=16", "policy.train_global_batch_size=128"],
+     "policy.tensor_parallel_size", ["must divide the model's 2 key/value heads", "(got: 4)", "pick a divisor of 2"],
+     ["policy.tensor_parallel_size=2", "policy.num_workers=4", "policy.micro_batch_size=16",
+      "policy.train_global_batch_size=128"]),
+    # the recipe turns the warm start on (40 SFT steps); 48 is not a multiple of DP (2) x mbs (16) = 32
+    ("warm-start-batch-not-divisible", ["algorithm.warm_start.batch_size=48"], "algorithm.warm_start.batch_size",
+     ["divisible by DP (2) x policy.micro_batch_size (16)", "(got: 48)"], ["algorithm.warm_start.batch_size=96"]),
+]
+
+
+@pytest.mark.parametrize("overrides, key, fragments, fixed", [c[1:] for c in ERRORS], ids=[c[0] for c in ERRORS])
+def test_config_error_names_key_and_fix(overrides, key, fragments, fixed):
+    message = load_error(overrides)
+    assert_names_key(message, key)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from: {message!r}"
+    cfg, _ = load_config(RECIPE, fixed)  # the fix the message points at loads
+    assert isinstance(cfg, RootConfig)
+
+
+def test_tp_heads_check_is_reachable_only_after_workers_check():
+    # TP=3 with the default 2 workers: the num_workers check comes first and fires instead of TP | heads
+    message = load_error(["policy.tensor_parallel_size=3"])
+    assert_names_key(message, "policy.num_workers")
+    assert "= 3 (got: 2)" in message
+
+
+def test_warm_start_batch_not_checked_when_warm_start_off():
+    cfg, _ = load_config(RECIPE, ["algorithm.warm_start.batch_size=48", "algorithm.warm_start.sft_steps=0"])
+    assert cfg.algorithm.warm_start.batch_size == 48
+
+
+def test_warm_start_batch_error_says_what_to_set_it_to():
+    """load.py's contract is `key: problem (got: value); fix`; its sibling for train_global_batch_size ends with
+    "; set it to a multiple of 32". The warm-start message stops at "(got: 48)" and never states the multiple."""
+    message = load_error(["algorithm.warm_start.batch_size=48"])
+    assert_names_key(message, "algorithm.warm_start.batch_size")
+    assert re.search(r"\(got: 48\); .+", message), f"no fix after the problem: {message!r}"
+    assert "multiple of 32" in message, f"should say it must be a multiple of 32: {message!r}"
+
+
+# ---- values the validator lets through or crashes on (bugs: see the report) --------------------------------
+
+@pytest.mark.parametrize("value", ["0", "-32"])
+def test_nonpositive_train_global_batch_size_is_a_config_error(value):
+    """0 crashes validate() with ZeroDivisionError (rollout % 0); -32 passes every check. Neither is a ConfigError,
+    because policy.train_global_batch_size is missing from validate()'s `>= 1` list."""
+    message = load_error([f"policy.train_global_batch_size={value}"])
+    assert_names_key(message, "policy.train_global_batch_size")
+    assert f"(got: {value})" in message
+
+
+@pytest.mark.parametrize("value", ["0", "-32"])
+def test_nonpositive_warm_start_batch_size_is_a_config_error(value):
+    """With the warm start on, batch_size 0 or -32 passes (0 % 32 == -32 % 32 == 0); it is not in the `>= 1` list."""
+    message = load_error([f"algorithm.warm_start.batch_size={value}"])
+    assert_names_key(message, "algorithm.warm_start.batch_size")
+    assert f"(got: {value})" in message
+
+
+# ---- HF checkpoint directories: heads come from config.json ---------------------------------------------
+
+def write_checkpoint(path: Path, hf_config) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(hf_config if isinstance(hf_config, str) else json.dumps(hf_config))
+    return path
+
+
+def test_checkpoint_dir_heads_from_config_json(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt", {"num_attention_heads": 6, "num_key_value_heads": 2})
+    cfg, _ = load_config(RECIPE, [f"policy.model_path={ckpt}", "policy.tensor_parallel_size=2"])
+    assert cfg.policy.model_path == str(ckpt)
+    message = load_error([f"policy.model_path={ckpt}", "policy.tensor_parallel_size=3", "policy.num_workers=3"])
+    assert_names_key(message, "policy.tensor_parallel_size")
+    assert "6 attention heads" not in message and "2 key/value heads" in message and "pick a divisor of 2" in message
+
+
+def test_checkpoint_dir_kv_heads_default_to_attention_heads(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "mha", {"num_attention_heads": 6})
+    cfg, _ = load_config(RECIPE, [f"policy.model_path={ckpt}", "policy.tensor_parallel_size=3",
+                                  "policy.num_workers=3"])
+    assert cfg.policy.tensor_parallel_size == 3
+
+
+def test_checkpoint_dir_without_config_json(tmp_path):
+    (tmp_path / "empty").mkdir()
+    message = load_error([f"policy.model_path={tmp_path / 'empty'}"])
+    assert_names_key(message, "policy.model_path")
+    assert "config.json does not exist" in message and "give an HF checkpoint directory" in message
+
+
+@pytest.mark.parametrize("hf_config", [{"hidden_size": 64}, "{not json"], ids=["no-heads-field", "bad-json"])
+def test_unreadable_checkpoint_config_is_a_config_error(tmp_path, hf_config):
+    """A config.json without num_attention_heads raises KeyError and a malformed one JSONDecodeError out of
+    _attention_heads(); neither becomes a ConfigError naming policy.model_path."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", hf_config)
+    message = load_error([f"policy.model_path={ckpt}"])
+    assert_names_key(message, "policy.model_path")
+
+
+# ---- recipe and group lookups -----------------------------------------------------------------------------
+
+def test_unknown_recipe():
+    message = load_error([], name="no_such_recipe")
+    assert message.startswith("recipe 'no_such_recipe': ") and "Cannot find primary config 'no_such_recipe'" in message
+
+
+def test_unknown_group_option():
+    message = load_error(["policy=no_such_policy"])
+    assert "Could not find 'policy/no_such_policy'" in message
+
+
+# ---- every shipped recipe loads and validates --------------------------------------------------------------
+
+def test_recipes_exist():
+    assert RECIPE in RECIPE_NAMES
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_recipe_loads_and_validates(name):
+    cfg, resolved = load_config(name, [])
+    assert isinstance(cfg, RootConfig)
+    assert cfg.run.name == name  # each recipe names its run after itself
+    assert resolved.policy.model_path == cfg.policy.model_path
+
+
+def test_overrides_reach_typed_config():
+    cfg, resolved = load_config(RECIPE, ["policy.micro_batch_size=32", "algorithm.loss_aggregation=seq-mean-token-sum",
+                                         "refit.bucket_mb=0.5"])
+    assert cfg.policy.micro_batch_size == 32 and resolved.policy.micro_batch_size == 32
+    assert cfg.algorithm.loss_aggregation == "seq-mean-token-sum"
+    assert cfg.refit.bucket_mb == 0.5
+
+
+# ---- style: every YAML key has a comment line directly above it -------------------------------------------
+
+KEY_LINE = re.compile(r"^\s*([A-Za-z_]\w*):")
+
+
+def uncommented_keys(path: Path, root: Path = RECIPES_DIR.parent) -> list[str]:
+    """`file:line key` for each key line whose previous line is not a `# ...` comment."""
+    lines = path.read_text().splitlines()
+    offenders = []
+    for i, line in enumerate(lines):
+        match = KEY_LINE.match(line)
+        if match and (i == 0 or not lines[i - 1].lstrip().startswith("#")):
+            offenders.append(f"{path.relative_to(root)}:{i + 1} {match.group(1)}")
+    return offenders
+
+
+def test_yaml_files_found():
+    assert YAML_FILES and any(p.parent == RECIPES_DIR for p in YAML_FILES)
+
+
+def test_every_yaml_key_has_a_comment_above():
+    offenders = [o for path in YAML_FILES for o in uncommented_keys(path)]
+    assert not offenders, "keys without a `# ...` comment line directly above:\n" + "\n".join(offenders)
+
+
+def test_style_check_flags_uncommented_key(tmp_path):
+    sample = tmp_path / "sample.yaml"
+    sample.write_text("# ok\ngood: 1\n\nbad:\n  # fine\n  nested: 2\n  other: 3\n# ok\ndefaults:\n  - /x: y\n")
+    assert uncommented_keys(sample, tmp_path) == ["sample.yaml:4 bad", "sample.yaml:7 other"]
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, key", [(["policy.foo=1"], "policy.foo"),
+                                             (["policy.train_global_batch_size=100"], "policy.train_global_batch_size"),
+                                             # bug: ZeroDivisionError escapes main() as a traceback instead of exit 2
+                                             (["policy.train_global_batch_size=0"], "policy.train_global_batch_size")],
+                         ids=["unknown-key", "batch-not-divisible", "batch-zero"])
+def test_cli_config_error_exit_code_and_one_line(capsys, overrides, key):
+    code = main(["train", "--config-name", RECIPE, *overrides])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, f"stderr should be one line: {err!r}"
+    assert lines[0].startswith(f"rlkit: config error: {key}: ")
+
+
+def test_cli_cfg_job_prints_resolved_yaml(capsys):
+    code = main(["train", "--config-name", RECIPE, "--cfg", "job", "policy.micro_batch_size=32"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    printed = yaml.safe_load(out)
+    assert set(printed) == {"run", "cluster", "policy", "generation", "refit", "algorithm", "env", "data", "logger"}
+    assert printed["policy"]["micro_batch_size"] == 32
+    assert printed["policy"]["model_path"] == "tiny://qwen2"
+    assert printed["run"]["name"] == RECIPE and printed["algorithm"]["warm_start"]["sft_steps"] == 40
+    assert "hydra" not in printed and "defaults" not in printed
