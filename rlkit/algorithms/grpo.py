@@ -115,9 +115,11 @@ class GRPO:
         return out
 
     def validate(self, rows: list[dict]) -> dict:
-        """Greedy answers on held-out prompts, with the current (refit) generation weights."""
-        greedy = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0})
-        generations = self.generation.generate(self.encode(rows), greedy)
+        """Answers to held-out prompts from the current (refit) generation weights, sampled as in
+        training or greedy (algorithm.val_greedy); the seed is fixed so runs compare."""
+        params = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0}) if self.cfg.algorithm.val_greedy \
+            else self.sampling
+        generations = self.generation.generate(self.encode(rows), params)
         responses = self.tokenizer.batch_decode(generations.token_ids, skip_special_tokens=True)
         rewards = torch.tensor(self.env.score(responses, [r["answer"] for r in rows]))
         return {"val/accuracy": (rewards == self.cfg.env.correct_reward).float().mean().item(),

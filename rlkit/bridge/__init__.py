@@ -91,8 +91,15 @@ class ModelBridge:
 
     def export_hf_weights(self, chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_name, tensor) gathered across TP/PP, one tensor at a time. Collective:
-        every model-parallel rank must iterate it to the end."""
-        yield from self._bridge.export_weights(chunks)
+        every model-parallel rank must iterate it to the end. No autograd: the broadcasts and
+        gathers inside must not record graphs on parameters that require grad."""
+        exported = self._bridge.export_weights(chunks)
+        while True:
+            with torch.no_grad():  # per item, so grad mode never leaks into the consumer
+                item = next(exported, None)
+            if item is None:
+                return
+            yield item
 
     def save_hf_weights(self, chunks: list, out_dir: str):
         self._bridge.save_weights(chunks, str(out_dir))

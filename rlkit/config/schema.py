@@ -87,6 +87,7 @@ class AlgorithmConfig:
     kl_coef: float = MISSING
     loss_aggregation: str = MISSING
     val_every: int = MISSING
+    val_greedy: bool = MISSING
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
 

@@ -48,3 +48,18 @@ def test_logprobs_match_hf(ray_cluster, make_cfg, tiny_qwen2, sequences, layout)
     logprobs = _policy_logprobs(make_cfg, tiny_qwen2, sequences, overrides)
     assert logprobs.shape == reference.shape
     assert (logprobs - reference).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_other_architectures_match_hf(ray_cluster, make_cfg, cache_dir, sequences, arch):
+    """Qwen3 (q/k norms, untied) and Llama load through the bridge and agree with HF at TP=2."""
+    from rlkit.models.resolve import resolve_model_dir
+
+    cfg, _ = make_cfg(f"policy.model_path=tiny://{arch}")
+    model_dir = resolve_model_dir(cfg)
+    reference = _hf_logprobs(model_dir, sequences["input_ids"])
+    logprobs = _policy_logprobs(make_cfg, model_dir, sequences,
+                                [f"policy.model_path=tiny://{arch}", "policy.num_workers=2",
+                                 "policy.tensor_parallel_size=2", "policy.micro_batch_size=4",
+                                 "generation.num_workers=1"])
+    assert (logprobs - reference).abs().max().item() < TOLERANCE

@@ -1,0 +1,40 @@
+"""`rlkit train` as a user runs it: the command starts its own local Ray cluster, warm-starts
+(and caches the warm start), prints one line per step, and stops what it started."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _train(tmp_path, *overrides):
+    command = [sys.executable, "-m", "rlkit.cli", "train", "--config-name", "grpo_tiny_cpu",
+               f"run.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'out'}",
+               "algorithm.num_steps=2", "algorithm.val_every=1", "algorithm.warm_start.sft_steps=2",
+               "algorithm.prompts_per_step=8", "policy.train_global_batch_size=64", *overrides]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def test_train_command_runs_and_reuses_its_warm_start(tmp_path):
+    first = _train(tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    log = first.stderr
+    assert "started a local Ray cluster" in log
+    assert "running 2 SFT steps" in log
+    assert "step   1/2 | reward" in log and "step   2/2 | reward" in log and "val_acc" in log
+    assert (tmp_path / "out" / "grpo_tiny_cpu" / "metrics.jsonl").is_file()
+
+    second = _train(tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "using the cached SFT checkpoint" in second.stderr
+    assert "running 2 SFT steps" not in second.stderr
+
+
+def test_config_error_exits_before_any_worker(tmp_path):
+    result = _train(tmp_path, "algorithm.group_size=1")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "rlkit: config error: algorithm.group_size: GRPO needs at least 2 samples per prompt to compare "
+        "(got: 1); set it to 2 or more"]
