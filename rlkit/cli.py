@@ -13,7 +13,7 @@ from rlkit.config.load import RECIPES_DIR, ConfigError, load_config
 def _train(args) -> int:
     cfg, resolved = load_config(args.config_name, args.overrides, Path(args.config_dir))
     if args.cfg == "job":
-        print(OmegaConf.to_yaml(resolved, resolve=True))
+        sys.stdout.write(OmegaConf.to_yaml(resolved, resolve=True))
         return 0
     from rlkit.algorithms.grpo import run_grpo
 
@@ -21,6 +21,17 @@ def _train(args) -> int:
     first, last = result.history[0], result.history[-1]
     logging.getLogger("rlkit").info("done: val_acc %.3f -> %.3f; metrics in %s", first["val/accuracy"],
                                     last["val/accuracy"], result.run_dir / "metrics.jsonl")
+    return 0
+
+
+def _verify_refit(args) -> int:
+    cfg, _ = load_config(args.config_name, args.overrides, Path(args.config_dir))
+    from rlkit.algorithms.grpo import run_verify_refit
+
+    metrics = run_verify_refit(cfg, args.num_prompts)
+    for key in ["refit/logprob_abs_error_mean", "refit/logprob_abs_error_max", "refit/token_mult_prob_error",
+                "refit/tokens_compared", "refit/seconds", "refit/gbytes_per_s"]:
+        print(f"{key}: {metrics[key]:.6g}")
     return 0
 
 
@@ -32,10 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--config-dir", default=str(RECIPES_DIR), help="directory of recipes")
     train.add_argument("--cfg", choices=["job"], help="print the resolved config and exit")
     train.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. policy.tensor_parallel_size=2")
+    verify = commands.add_parser("verify-refit", help="refit once and compare train vs generation logprobs")
+    verify.add_argument("--config-name", required=True, help="recipe name (a YAML file in --config-dir)")
+    verify.add_argument("--config-dir", default=str(RECIPES_DIR), help="directory of recipes")
+    verify.add_argument("--num-prompts", type=int, default=64, help="held-out prompts to sample")
+    verify.add_argument("overrides", nargs="*", help="Hydra overrides")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
-        return _train(args)
+        return _train(args) if args.command == "train" else _verify_refit(args)
     except ConfigError as e:
         print(f"rlkit: config error: {e}", file=sys.stderr)
         return 2

@@ -51,14 +51,15 @@ class GRPO:
         self.plan = RefitPlan.build(manifest, int(cfg.refit.bucket_mb * 2**20),
                                     transfer_dtype="bfloat16" if g.precision == "bf16" else None,
                                     keep_fp32=tuple(cfg.refit.keep_fp32))
-        self.refit_fn = TRANSPORTS[cfg.refit.transport]
+        self.transport = TRANSPORTS[cfg.refit.transport](self.policy, self.generation, workers.placement_group)
         self.weights_stale = True  # generation workers start with random weights
 
     def refit(self) -> dict:
         """Push the policy's weights into the generation workers if training changed them."""
+        self.generation.call("wake")
         if not self.weights_stale:
             return {}
-        metrics = self.refit_fn(self.policy, self.generation, self.plan, self.cfg.refit.verify_checksums)
+        metrics = self.transport(self.plan, self.cfg.refit.verify_checksums)
         self.weights_stale = False
         return metrics
 
@@ -75,6 +76,7 @@ class GRPO:
             with timer("generate"):
                 sampling = SamplingParams(**{**self.sampling.__dict__, "seed": self.sampling.seed + step})
                 generations = self.generation.generate(prompt_ids, sampling)
+                self.generation.call("sleep")  # colocated: give the memory back to the policy
             with timer("reward"):
                 responses = self.tokenizer.batch_decode(generations.token_ids, skip_special_tokens=True)
                 rewards = torch.tensor(self.env.score(responses, answers))
@@ -162,7 +164,7 @@ def run_grpo(cfg: RootConfig, resolved: DictConfig) -> GRPOResult:
             metrics = grpo.step(next(prompts), step)
             if step % a.val_every == 0 or step == a.num_steps:
                 grpo.refit()
-                metrics.update(grpo.validate(list(val_set)))
+                metrics.update(grpo.validate(val_set))
             logger.log(step, metrics)
             log.info(console_line(step, a.num_steps, metrics))
             history.append(metrics)
@@ -172,9 +174,30 @@ def run_grpo(cfg: RootConfig, resolved: DictConfig) -> GRPOResult:
         workers.shutdown()
 
 
+def run_verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
+    """Load the model into policy and generation, refit, sample answers to held-out prompts and
+    compare the sampler's logprobs with the policy's on the same tokens."""
+    _, val_set = arithmetic_splits(cfg.data)
+    model_dir = resolve_model_dir(cfg)
+    workers = start_workers(cfg, str(model_dir))
+    try:
+        grpo = GRPO(cfg, workers, AutoTokenizer.from_pretrained(model_dir), ArithmeticEnv(cfg.env))
+        metrics = grpo.refit()
+        prompt_ids = grpo.encode(val_set[:num_prompts])
+        generations = grpo.generation.generate(prompt_ids, grpo.sampling)
+        rollout = rollout_batch(prompt_ids, generations, grpo.tokenizer.pad_token_id)
+        rollout = rollout.slice(0, len(rollout) - len(rollout) % workers.policy.layout.dp_size)
+        train_logprobs = grpo.policy.logprobs(rollout)
+        metrics.update(logprob_error(train_logprobs, rollout["generation_logprobs"], rollout["response_mask"]))
+        metrics["refit/tokens_compared"] = int(rollout["response_mask"].sum())
+        return metrics
+    finally:
+        workers.shutdown()
+
+
 def _validation_step(grpo: GRPO, val_set, logger: MetricsLogger) -> dict:
     start = time.perf_counter()
-    metrics = {**grpo.refit(), **grpo.validate(list(val_set))}
+    metrics = {**grpo.refit(), **grpo.validate(val_set)}
     metrics["timing/step"] = time.perf_counter() - start
     logger.log(0, metrics)
     log.info("before training: val_acc %.3f", metrics["val/accuracy"])

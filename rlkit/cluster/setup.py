@@ -1,6 +1,7 @@
 """Start the worker groups of a run on one placement group, and tear them down."""
 
 from dataclasses import dataclass
+from typing import Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -15,25 +16,36 @@ from rlkit.config.schema import RootConfig
 @dataclass
 class Workers:
     policy: PolicyGroup
-    generation: GenerationGroup
+    generation: GenerationGroup | None  # None for policy-only runs
     placement_group: object
     started_cluster: bool
 
     def shutdown(self):
-        for group in (self.policy.workers, self.generation.workers):
-            group.kill()
+        self.policy.workers.kill()
+        if self.generation is not None:
+            self.generation.workers.kill()
         remove_placement_group(self.placement_group)
         if self.started_cluster:
             ray.shutdown()
 
 
-def start_workers(cfg: RootConfig, model_dir: str) -> Workers:
+def _generation_worker(cfg: RootConfig, model_dir: str) -> tuple[type, Callable[[int], dict]]:
+    if cfg.generation.backend == "vllm":
+        from rlkit.workers.generation.vllm import VLLMGenerationWorker
+        return VLLMGenerationWorker, lambda rank: dict(model_dir=model_dir, cfg=cfg.generation, seed=cfg.run.seed,
+                                                       rank=rank, sleep_mode=cfg.cluster.placement == "colocated")
     from rlkit.workers.generation.hf import HFGenerationWorker
+    return HFGenerationWorker, lambda rank: dict(model_dir=model_dir, precision=cfg.generation.precision,
+                                                 threads=cfg.cluster.threads_per_worker, rank=rank)
+
+
+def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True) -> Workers:
     from rlkit.workers.policy.megatron import MegatronPolicyWorker
 
     started = connect(cfg.cluster)
     device = device_kind()
-    placement = plan_placement(cfg.cluster.placement, cfg.policy.num_workers, cfg.generation.num_workers, device)
+    num_generation = cfg.generation.num_workers if with_generation else 0
+    placement = plan_placement(cfg.cluster.placement, cfg.policy.num_workers, num_generation, device)
     pg = placement_group(placement.bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=cfg.cluster.call_timeout_s)
@@ -41,17 +53,20 @@ def start_workers(cfg: RootConfig, model_dir: str) -> Workers:
         raise RuntimeError(f"the Ray cluster cannot fit {len(placement.bundles)} bundles of {placement.bundles[0]} "
                            f"for cluster.placement={cfg.cluster.placement}; it has {ray.cluster_resources()}. "
                            f"Lower policy.num_workers / generation.num_workers or raise cluster.num_cpus") from None
-    master_addr, master_port = rendezvous_address(pg, placement.policy_bundles[0])
     c = cfg.cluster
+    # Generation first: vLLM sizes its KV cache from the free memory it measures at start-up,
+    # which a policy allocating on the same GPU at the same time would falsify.
+    generation = None
+    if with_generation:
+        generation_cls, generation_args = _generation_worker(cfg, model_dir)
+        generation = GenerationGroup(WorkerGroup("generation", generation_cls, pg, placement.generation_bundles,
+                                                 placement.share, device, generation_args, c.call_timeout_s))
+        generation.call("sleep")  # also waits until every engine is up
+    master_addr, master_port = rendezvous_address(pg, placement.policy_bundles[0])
     policy = WorkerGroup(
         "policy", MegatronPolicyWorker, pg, placement.policy_bundles, placement.share, device,
         lambda rank: dict(cfg=cfg.policy, model_dir=model_dir, rank=rank, world_size=cfg.policy.num_workers,
                           master_addr=master_addr, master_port=master_port, seed=cfg.run.seed,
                           threads=c.threads_per_worker, collective_timeout_s=c.collective_timeout_s),
         c.call_timeout_s)
-    generation = WorkerGroup(
-        "generation", HFGenerationWorker, pg, placement.generation_bundles, placement.share, device,
-        lambda rank: dict(model_dir=model_dir, precision=cfg.generation.precision, threads=c.threads_per_worker,
-                          rank=rank),
-        c.call_timeout_s)
-    return Workers(PolicyGroup(policy), GenerationGroup(generation), pg, started)
+    return Workers(PolicyGroup(policy), generation, pg, started)

@@ -84,7 +84,7 @@ def validate(cfg: RootConfig) -> None:
     _choice("cluster.placement", cfg.cluster.placement, PLACEMENTS)
     _choice("policy.precision", p.precision, ("fp32", "bf16"))
     _choice("generation.precision", g.precision, ("fp32", "bf16"))
-    _choice("generation.backend", g.backend, ("hf",))
+    _choice("generation.backend", g.backend, ("hf", "vllm"))
     _choice("refit.transport", cfg.refit.transport, TRANSPORTS)
     _choice("algorithm.name", a.name, ("grpo",))
     _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
@@ -127,6 +127,26 @@ def validate(cfg: RootConfig) -> None:
         if count % p.tensor_parallel_size:
             raise ConfigError(f"policy.tensor_parallel_size: must divide the model's {count} {name} "
                               f"(got: {p.tensor_parallel_size}); pick a divisor of {count}")
+    gpu_transports = ("cuda_ipc", "nccl")
+    if g.backend == "vllm":
+        if g.vllm is None:
+            raise ConfigError("generation.vllm: the vllm backend needs engine settings; use generation=vllm")
+        if cfg.refit.transport not in gpu_transports:
+            raise ConfigError(f"refit.transport: vLLM workers take weights through {list(gpu_transports)} "
+                              f"(got: {cfg.refit.transport!r}); use refit=cuda_ipc (colocated) or refit=nccl")
+        if g.vllm.tensor_parallel_size != 1:
+            raise ConfigError(f"generation.vllm.tensor_parallel_size: refit supports 1 GPU per vLLM engine for "
+                              f"now (got: {g.vllm.tensor_parallel_size}); raise generation.num_workers instead")
+    elif cfg.refit.transport in gpu_transports:
+        raise ConfigError(f"refit.transport: {cfg.refit.transport!r} needs generation.backend=vllm; use refit=cpu")
+    if cfg.refit.transport == "cuda_ipc" and (cfg.cluster.placement != "colocated"
+                                              or g.num_workers != p.num_workers):
+        raise ConfigError("refit.transport: cuda_ipc needs cluster.placement=colocated with generation.num_workers "
+                          f"== policy.num_workers (got: {cfg.cluster.placement}, {g.num_workers} vs "
+                          f"{p.num_workers}); use refit=nccl for disaggregated placement")
+    if cfg.refit.transport == "nccl" and cfg.cluster.placement != "disaggregated":
+        raise ConfigError("refit.transport: nccl needs cluster.placement=disaggregated (policy and vLLM on "
+                          "different GPUs); use refit=cuda_ipc when colocated")
     if cfg.refit.bucket_mb <= 0:
         raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb})")
     if a.warm_start.sft_steps > 0 and a.warm_start.batch_size % (dp * p.micro_batch_size):

@@ -50,6 +50,14 @@ class PolicyConfig:
 
 
 @dataclass
+class VllmEngineConfig:
+    tensor_parallel_size: int = MISSING
+    gpu_memory_utilization: float = MISSING
+    max_model_len: int = MISSING
+    enforce_eager: bool = MISSING
+
+
+@dataclass
 class GenerationConfig:
     backend: str = MISSING
     num_workers: int = MISSING
@@ -58,6 +66,7 @@ class GenerationConfig:
     top_p: float = MISSING
     top_k: int = MISSING
     precision: str = MISSING
+    vllm: Optional[VllmEngineConfig] = None
 
 
 @dataclass

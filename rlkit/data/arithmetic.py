@@ -1,15 +1,13 @@
-"""Synthetic arithmetic problems ("12+7=" -> "19") as an HF `datasets.Dataset`."""
+"""Synthetic arithmetic problems ("12+7=" -> "19"): lists of {"prompt", "answer"} rows."""
 
 import random
-
-from datasets import Dataset
 
 from rlkit.config.schema import DataConfig
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-def arithmetic_splits(cfg: DataConfig) -> tuple[Dataset, Dataset]:
+def arithmetic_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
     """Disjoint train / validation sets of {"prompt", "answer"} rows, deterministic in cfg.seed."""
     unknown = [op for op in cfg.operations if op not in OPERATIONS]
     if unknown:
@@ -23,7 +21,6 @@ def arithmetic_splits(cfg: DataConfig) -> tuple[Dataset, Dataset]:
     random.Random(cfg.seed).shuffle(problems)
 
     def rows(subset):
-        return Dataset.from_list([{"prompt": f"{a}{op}{b}=", "answer": str(OPERATIONS[op](a, b))}
-                                  for a, op, b in subset])
+        return [{"prompt": f"{a}{op}{b}=", "answer": str(OPERATIONS[op](a, b))} for a, op, b in subset]
 
     return rows(problems[cfg.val_size:needed]), rows(problems[:cfg.val_size])

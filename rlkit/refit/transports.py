@@ -1,35 +1,105 @@
 """Refit transports: move the policy's packed buckets into every generation worker.
 
-Every transport is driven by the same RefitPlan; only how bytes travel differs. The GPU
-transports (cuda_ipc, nccl) are added with the vLLM backend.
+Every transport is driven by the same RefitPlan; only how bytes travel differs:
+  cpu       Ray object store (CPU runs)
+  cuda_ipc  colocated: each policy rank packs on its GPU, the generation worker on that GPU
+            maps the bucket through a CUDA IPC handle; two buffers alternate
+  nccl      disaggregated: policy rank 0 broadcasts each bucket to every generation worker on a
+            dedicated communicator, packing bucket k+1 while bucket k is on the wire
 """
 
 import time
+from collections import deque
 
 from rlkit.cluster.roles import GenerationGroup, PolicyGroup
+from rlkit.cluster.worker_group import rendezvous_address
 from rlkit.refit.plan import RefitPlan
 
 
-def refit_via_object_store(policy: PolicyGroup, generation: GenerationGroup, plan: RefitPlan,
-                           verify_checksums: bool) -> dict:
-    """CPU transport: policy rank 0 streams buckets into Ray's object store as it exports them;
-    the controller forwards each bucket's reference to every generation worker, so at most a
-    few buckets are in flight and the controller never touches the bytes."""
-    start = time.perf_counter()
-    generation.call("begin_refit", plan, verify_checksums)
-    streams = [actor.stream_refit_buckets.options(num_returns="streaming").remote(plan, verify_checksums)
-               for actor in policy.workers.actors]
-    loads, owners = [], []
-    for bucket_ref in streams[0]:
-        loads += [actor.load_bucket.remote(bucket_ref) for actor in generation.workers.actors]
-        owners += range(len(generation.workers))
-    for rank, stream in enumerate(streams[1:], start=1):  # other ranks only join the collectives
-        policy.workers.wait(list(stream), "stream_refit_buckets", ranks=[rank])
-    generation.workers.wait(loads, "load_bucket", ranks=owners)
-    generation.call("end_refit")
+def _metrics(plan: RefitPlan, start: float) -> dict:
     seconds = time.perf_counter() - start
     return {"refit/seconds": seconds, "refit/gbytes_per_s": plan.total_bytes / seconds / 1e9,
             "refit/buckets": len(plan.buckets)}
 
 
-TRANSPORTS = {"cpu": refit_via_object_store}
+class ObjectStoreTransport:
+    """Policy rank 0 streams buckets into Ray's object store as it exports them; the controller
+    forwards each bucket's reference to every generation worker, so at most a few buckets are in
+    flight and the controller never touches the bytes."""
+
+    def __init__(self, policy: PolicyGroup, generation: GenerationGroup, placement_group):
+        self.policy, self.generation = policy, generation
+
+    def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
+        start = time.perf_counter()
+        self.generation.call("begin_refit", plan, verify_checksums)
+        streams = [actor.stream_refit_buckets.options(num_returns="streaming").remote(plan, verify_checksums)
+                   for actor in self.policy.workers.actors]
+        loads, owners = [], []
+        for bucket_ref in streams[0]:
+            loads += [actor.load_bucket.remote(bucket_ref) for actor in self.generation.workers.actors]
+            owners += range(len(self.generation.workers))
+        for rank, stream in enumerate(streams[1:], start=1):  # other ranks only join the collectives
+            self.policy.workers.wait(list(stream), "stream_refit_buckets", ranks=[rank])
+        self.generation.workers.wait(loads, "load_bucket", ranks=owners)
+        self.generation.call("end_refit")
+        return _metrics(plan, start)
+
+
+class CudaIpcTransport:
+    """Generation worker i shares a GPU with policy rank i (colocated placement). Each policy
+    rank packs bucket k on its own GPU and returns an IPC handle with its own metadata; bucket
+    k+2 reuses bucket k's buffer only after every receiver has loaded bucket k."""
+
+    def __init__(self, policy: PolicyGroup, generation: GenerationGroup, placement_group):
+        self.policy, self.generation = policy, generation
+
+    def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
+        start = time.perf_counter()
+        self.policy.call("begin_export", plan)
+        self.generation.call("begin_refit", plan, verify_checksums)
+        in_flight: deque[list] = deque()
+        gen = self.generation.workers
+        for _ in plan.buckets:
+            if len(in_flight) == 2:
+                gen.wait(in_flight.popleft(), "load_ipc_bucket")
+            handles = self.policy.call("next_bucket_ipc", verify_checksums)
+            in_flight.append([actor.load_ipc_bucket.remote(handles[i]) for i, actor in enumerate(gen.actors)])
+        while in_flight:
+            gen.wait(in_flight.popleft(), "load_ipc_bucket")
+        self.policy.call("end_export")
+        self.generation.call("end_refit")
+        return _metrics(plan, start)
+
+
+class NcclTransport:
+    """A communicator of policy rank 0 (rank 0 in it) and every generation worker, made once.
+    All bucket sends and receives are queued at once; Ray runs each actor's calls in order, so
+    send k meets receive k. Every wait is bounded by cluster.call_timeout_s, so a dead peer is
+    an error naming it."""
+
+    def __init__(self, policy: PolicyGroup, generation: GenerationGroup, placement_group):
+        self.policy, self.generation = policy, generation
+        host, port = rendezvous_address(placement_group, 0)
+        world = 1 + len(generation.workers)
+        refs = policy.workers.submit("init_refit_group", host, port, 0, world, ranks=[0])
+        refs += generation.workers.submit("init_refit_group", host, port, world)
+        policy.workers.wait(refs[:1], "init_refit_group", ranks=[0])
+        generation.workers.wait(refs[1:], "init_refit_group")
+
+    def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
+        start = time.perf_counter()
+        self.policy.call("begin_export", plan)
+        self.generation.call("begin_refit", plan, verify_checksums)
+        sends = [self.policy.workers.submit("next_bucket_broadcast", verify_checksums) for _ in plan.buckets]
+        receives = [self.generation.workers.submit("receive_broadcast_bucket") for _ in plan.buckets]
+        for refs in sends:
+            self.policy.workers.wait(refs, "next_bucket_broadcast")
+        for refs in receives:
+            self.generation.workers.wait(refs, "receive_broadcast_bucket")
+        self.policy.call("end_export")
+        self.generation.call("end_refit")
+        return _metrics(plan, start)
+
+
+TRANSPORTS = {"cpu": ObjectStoreTransport, "cuda_ipc": CudaIpcTransport, "nccl": NcclTransport}

@@ -38,3 +38,14 @@ def test_config_error_exits_before_any_worker(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "rlkit: config error: algorithm.group_size: GRPO needs at least 2 samples per prompt to compare "
         "(got: 1); set it to 2 or more"]
+
+
+def test_verify_refit_reports_float_noise_on_cpu(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rlkit.cli", "verify-refit", "--config-name", "grpo_tiny_cpu",
+                             "--num-prompts", "16", f"run.cache_dir={tmp_path / 'cache'}"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = dict(line.split(": ") for line in result.stdout.strip().splitlines())
+    assert float(report["refit/token_mult_prob_error"]) < 1.0001
+    assert float(report["refit/logprob_abs_error_max"]) < 1e-4
+    assert int(report["refit/tokens_compared"]) > 0

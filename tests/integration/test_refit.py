@@ -8,7 +8,7 @@ import torch
 from rlkit.cluster.setup import start_workers
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.refit.plan import PackedBucket, RefitPlan
-from rlkit.refit.transports import refit_via_object_store
+from rlkit.refit.transports import ObjectStoreTransport
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ def plan(workers):
 
 def test_refit_makes_generation_weights_bit_identical(workers, plan):
     before = workers.generation.call("weights")[0]
-    metrics = refit_via_object_store(workers.policy, workers.generation, plan, verify_checksums=True)
+    metrics = ObjectStoreTransport(workers.policy, workers.generation, workers.placement_group)(plan, True)
     exported = workers.policy.rank0("export_hf_weights")
     assert len(plan.buckets) > 3 and metrics["refit/buckets"] == len(plan.buckets)
     assert set(exported) == set(plan.names)

@@ -41,8 +41,8 @@ class GenerationWorker(ABC):
         """Fail unless every bucket of the plan arrived."""
 
     @abstractmethod
-    def weights(self) -> dict:
-        """HF-named weights as this worker holds them (verification, tests)."""
+    def weight_checksums(self) -> dict[str, int]:
+        """{parameter name in this backend's model: bucket_checksum of its bytes} (verification)."""
 
     @abstractmethod
     def sleep(self) -> None:

@@ -2,7 +2,7 @@
 
 import torch
 
-from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan
+from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan, bucket_checksum
 from rlkit.workers.generation.base import Generations, GenerationWorker, SamplingParams
 
 
@@ -76,7 +76,11 @@ class HFGenerationWorker(GenerationWorker):
         self._plan = None
 
     def weights(self) -> dict:
+        """HF-named tensors as this worker holds them (tests compare them bit for bit)."""
         return {n: p.detach().clone() for n, p in self._params.items()}
+
+    def weight_checksums(self) -> dict[str, int]:
+        return {n: bucket_checksum(p.detach().contiguous().view(-1).view(torch.uint8)) for n, p in self._params.items()}
 
     def sleep(self) -> None:
         pass  # nothing to release on CPU

@@ -28,6 +28,8 @@ class MegatronPolicyWorker:
         if not ON_GPU:
             from rlkit.workers.policy import cpu_compat
             cpu_compat.enable()
+        else:
+            torch.cuda.set_device(0)  # Ray gives each actor its GPU as device 0
         self.cfg = cfg
         self.rank = rank
         dist.init_process_group("nccl" if ON_GPU else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
@@ -47,7 +49,10 @@ class MegatronPolicyWorker:
         self.model = self.bridge.build(bf16=self.bf16, wrap_with_ddp=True,
                                        use_distributed_optimizer=cfg.use_distributed_optimizer)
         self.bridge.load_hf_weights(self.model)
-        self.optimizer = self._build_optimizer(cfg.optimizer.lr)
+        # built at the first train() call: inference-only uses (verify-refit, benchmarks) never
+        # pay for fp32 main weights and Adam state
+        self.optimizer = None
+        self.lr = cfg.optimizer.lr
         self.reference = None
         self.temperature = 1.0
 
@@ -77,8 +82,10 @@ class MegatronPolicyWorker:
         self.temperature = temperature
 
     def set_learning_rate(self, lr: float):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.lr = lr
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
 
     def init_reference(self):
         """Freeze a copy of the current weights as the KL reference policy."""
@@ -172,6 +179,8 @@ class MegatronPolicyWorker:
             sums["loss"] = value.item()
             return value * scale, sums
 
+        if self.optimizer is None:
+            self.optimizer = self._build_optimizer(self.lr)
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -206,6 +215,53 @@ class MegatronPolicyWorker:
                 yield plan.pack(index, pending.pop(index), with_checksum)
         if pending:
             raise RuntimeError(f"refit: export ended with incomplete buckets {sorted(pending)}")
+
+    # Bucket-at-a-time export for the GPU transports: begin_export, then one next_bucket_* call
+    # per bucket on every rank (the export is collective), then end_export.
+    def begin_export(self, plan: RefitPlan):
+        self._plan, self._next_bucket = plan, 0
+        self._exported = self.bridge.export_hf_weights(self.model)
+        self._buffers: list = [None, None]  # double buffering: bucket k lives in slot k % 2
+
+    def _pack_next(self, with_checksum: bool) -> PackedBucket:
+        bucket = self._plan.buckets[self._next_bucket]
+        tensors = dict(next(self._exported) for _ in bucket.slots)  # the plan follows export order
+        expected = {s.name for s in bucket.slots}
+        if set(tensors) != expected:
+            raise RuntimeError(f"refit: export order differs from the plan at {bucket.describe()}: got "
+                               f"{sorted(set(tensors) - expected)[:3]}; rebuild the plan")
+        self._next_bucket += 1
+        packed = self._plan.pack(bucket.index, tensors, with_checksum)
+        self._buffers[bucket.index % 2] = packed.buffer
+        return packed
+
+    def next_bucket_ipc(self, with_checksum: bool) -> dict:
+        """Pack the next bucket on this rank's GPU; return a CUDA IPC handle to it. The buffer
+        stays alive (its slot is reused two buckets later, after the receiver is done)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        packed = self._pack_next(with_checksum)
+        torch.cuda.current_stream().synchronize()  # the receiver reads it from another process
+        _, handle = reduce_tensor(packed.buffer)
+        return {"index": packed.index, "handle": handle, "checksum": packed.checksum}
+
+    def init_refit_group(self, host: str, port: int, rank: int, world_size: int):
+        from rlkit.refit.nccl_group import RefitGroup
+        self._refit_group = RefitGroup(host, port, rank, world_size)
+
+    def next_bucket_broadcast(self, with_checksum: bool):
+        """Pack the next bucket; rank 0 broadcasts it on the refit communicator (other ranks
+        only advance the collective export). Packing the next bucket overlaps this send."""
+        packed = self._pack_next(with_checksum)
+        if self.rank == 0:
+            self._refit_group.send(packed)
+
+    def end_export(self):
+        if next(self._exported, None) is not None:
+            raise RuntimeError("refit: the export has more tensors than the plan; rebuild the plan")
+        if self.rank == 0 and getattr(self, "_refit_group", None) is not None:
+            self._refit_group.synchronize()
+        self._exported, self._buffers = None, [None, None]
 
     def export_hf_weights(self) -> dict[str, torch.Tensor] | None:
         """All HF-named weights on rank 0 (tests and verification). Collective."""

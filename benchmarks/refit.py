@@ -1,0 +1,89 @@
+"""Refit time and effective GB/s for Qwen3-shaped ~1.5B and ~7B models, both GPU transports,
+next to the hardware limits measured in the same run.
+
+  python benchmarks/refit.py --sizes 1.5b,7b --out refit.json
+
+cuda_ipc: policy and vLLM colocated on GPU 0, ratio against device copy bandwidth.
+nccl:     policy on GPU 0, vLLM on GPU 1, ratio against NCCL broadcast bandwidth.
+A refit is the whole thing: bridge export from Megatron, packing, transport, vLLM load.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import broadcast_bandwidth, copy_bandwidth, qwen3_checkpoint  # noqa: E402
+
+TRANSPORTS = {"cuda_ipc": ["cluster.placement=colocated", "refit=cuda_ipc"],
+              "nccl": ["cluster.placement=disaggregated", "refit=nccl"]}
+
+
+def measure(model_dir: Path, transport: str, rounds: int, bucket_mb: int) -> dict:
+    from rlkit.cluster.setup import start_workers
+    from rlkit.config.load import load_config
+    from rlkit.refit.plan import RefitPlan
+    from rlkit.refit.transports import TRANSPORTS as IMPLEMENTATIONS
+
+    cfg, _ = load_config("grpo_tiny_gpu", [f"policy.model_path={model_dir}", *TRANSPORTS[transport],
+                                           f"refit.bucket_mb={bucket_mb}", "refit.verify_checksums=false",
+                                           "generation.vllm.max_model_len=1024",
+                                           "generation.vllm.gpu_memory_utilization=0.3"])
+    start = time.perf_counter()
+    workers = start_workers(cfg, str(model_dir))
+    setup_s = time.perf_counter() - start
+    try:
+        plan = RefitPlan.build(workers.policy.rank0("refit_manifest"), bucket_mb << 20, transfer_dtype="bfloat16")
+        refit = IMPLEMENTATIONS[transport](workers.policy, workers.generation, workers.placement_group)
+        workers.generation.call("wake")
+        refit(plan, False)  # warm-up: allocator, communicator, first-touch
+        seconds = [refit(plan, False)["refit/seconds"] for _ in range(rounds)]
+        checked = refit(plan, True)["refit/seconds"]  # with checksums on, for the record
+    finally:
+        workers.shutdown()
+    median = statistics.median(seconds)
+    return {"transport": transport, "gbytes": plan.total_bytes / 1e9, "buckets": len(plan.buckets),
+            "seconds": median, "gbytes_per_s": plan.total_bytes / median / 1e9,
+            "seconds_with_checksums": checked, "setup_s": setup_s}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="1.5b,7b")
+    parser.add_argument("--transports", default="cuda_ipc,nccl")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--checkpoints", default=tempfile.gettempdir() + "/rlkit_bench")
+    parser.add_argument("--out", default="refit.json")
+    args = parser.parse_args()
+    import ray
+
+    limits = {"copy_gbytes_per_s": copy_bandwidth(), "broadcast_gbytes_per_s": broadcast_bandwidth()}
+    print(f"limits: {limits}", flush=True)
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+    rows = []
+    for size in args.sizes.split(","):
+        model_dir = qwen3_checkpoint(size, Path(args.checkpoints))
+        for transport in args.transports.split(","):
+            if transport == "nccl" and limits["broadcast_gbytes_per_s"] is None:
+                continue
+            row = {"model": f"qwen3-{size}", **measure(model_dir, transport, args.rounds, args.bucket_mb)}
+            limit = limits["copy_gbytes_per_s" if transport == "cuda_ipc" else "broadcast_gbytes_per_s"]
+            row["limit_gbytes_per_s"], row["ratio"] = limit, row["gbytes_per_s"] / limit
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            Path(args.out).write_text(json.dumps({"limits": limits, "rows": rows}, indent=1))
+    print("\n| model | transport | GB | buckets | refit s | GB/s | limit GB/s | ratio |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['transport']} | {r['gbytes']:.2f} | {r['buckets']} | {r['seconds']:.3f} | "
+              f"{r['gbytes_per_s']:.1f} | {r['limit_gbytes_per_s']:.0f} | {r['ratio']:.1%} |")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

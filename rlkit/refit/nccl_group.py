@@ -1,0 +1,52 @@
+"""The refit communicator for the nccl transport: policy rank 0 (rank 0 here) and every
+generation worker, outside both sides' own process groups. Built on vLLM's stateless process
+group and PyNccl so it needs no shared torch.distributed world."""
+
+from datetime import timedelta
+
+import torch
+
+from rlkit.refit.plan import Bucket, PackedBucket
+
+
+class RefitGroup:
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0):
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
+                                             store_timeout=int(timedelta(seconds=timeout_s).total_seconds()))
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.comm = PyNcclCommunicator(group, device=self.device)
+        self.stream = torch.cuda.Stream(device=self.device)
+        self._sent: list[torch.cuda.Event | None] = [None, None]
+
+    def send(self, packed: PackedBucket):
+        """Broadcast a packed bucket and its checksum on the side stream: the caller may pack the
+        next bucket meanwhile. The buffer of bucket k is reused for k+2 only after k is sent."""
+        packed_ready = torch.cuda.current_stream().record_event()
+        checksum = torch.tensor([packed.checksum if packed.checksum is not None else -1], dtype=torch.int64,
+                                device=self.device)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(packed_ready)
+            self.comm.broadcast(packed.buffer, src=0, stream=self.stream)
+            self.comm.broadcast(checksum, src=0, stream=self.stream)
+            packed.buffer.record_stream(self.stream)
+            checksum.record_stream(self.stream)
+        sent = self.stream.record_event()
+        slot = packed.index % 2
+        if self._sent[slot] is not None:
+            torch.cuda.current_stream().wait_event(self._sent[slot])
+        self._sent[slot] = sent
+
+    def receive(self, bucket: Bucket) -> PackedBucket:
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+        checksum = torch.empty(1, dtype=torch.int64, device=self.device)
+        stream = torch.cuda.current_stream()
+        self.comm.broadcast(buffer, src=0, stream=stream)
+        self.comm.broadcast(checksum, src=0, stream=stream)
+        value = int(checksum.item())  # synchronizes
+        return PackedBucket(bucket.index, buffer, None if value == -1 else value)
+
+    def synchronize(self):
+        self.stream.synchronize()

@@ -1,0 +1,86 @@
+"""vLLM generation worker: one vllm.LLM engine per Ray actor, behind the GenerationWorker interface.
+
+Logprobs: vLLM runs with logprobs_mode="processed_logprobs", i.e. the logprob of each sampled
+token under the distribution it was sampled from, after temperature (and top-k/top-p, which
+rlkit's recipes leave off). The trainer computes log_softmax(logits / temperature) over the full
+vocabulary, so with top_p=1 and top_k off the two describe the same distribution; with top-k/p
+on they would differ by the truncation, which is why the recipes keep them off for RL.
+"""
+
+import os
+
+from rlkit.config.schema import GenerationConfig
+from rlkit.refit.plan import PackedBucket, RefitPlan
+from rlkit.workers.generation.base import Generations, GenerationWorker, SamplingParams
+
+
+class VLLMGenerationWorker(GenerationWorker):
+    """Starts with dummy weights: real weights arrive only through refit."""
+
+    def __init__(self, model_dir: str, cfg: GenerationConfig, seed: int, rank: int, sleep_mode: bool):
+        # the engine core is a separate process; IPC handles and plans travel by pickle
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        from vllm import LLM
+
+        v = cfg.vllm
+        self.rank, self.sleep_mode = rank, sleep_mode
+        self.llm = LLM(model=model_dir, tensor_parallel_size=v.tensor_parallel_size,
+                       gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
+                       enforce_eager=v.enforce_eager, seed=seed + rank, load_format="dummy",
+                       dtype="bfloat16" if cfg.precision == "bf16" else "float32",
+                       enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",
+                       worker_extension_cls="rlkit.workers.generation.vllm_ext.RefitExtension")
+        self._asleep = False
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sampling = VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
+                                      top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+                                      logprobs=0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sampling,
+                                    use_tqdm=False)
+        token_ids, logprobs = [], []
+        for out in outputs:
+            sample = out.outputs[0]
+            token_ids.append(list(sample.token_ids))
+            logprobs.append([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])
+        return Generations(token_ids, logprobs)
+
+    def _rpc(self, method: str, *args):
+        return self.llm.collective_rpc(method, args=args)
+
+    def begin_refit(self, plan: RefitPlan, verify_checksums: bool) -> None:
+        self._rpc("rlkit_begin_refit", plan, verify_checksums)
+
+    def load_bucket(self, packed: PackedBucket) -> None:
+        raise NotImplementedError("vLLM workers receive weights through refit.transport=cuda_ipc or nccl, "
+                                  "not the CPU object store; set refit.transport accordingly")
+
+    def load_ipc_bucket(self, message: dict) -> None:
+        self._rpc("rlkit_load_ipc_bucket", message)
+
+    def init_refit_group(self, host: str, port: int, world_size: int) -> None:
+        self._rpc("rlkit_init_refit_group", host, port, world_size, 1 + self.rank)
+
+    def receive_broadcast_bucket(self) -> None:
+        self._rpc("rlkit_receive_broadcast_bucket")
+
+    def end_refit(self) -> None:
+        self._rpc("rlkit_end_refit")
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    def weight_checksums(self) -> dict[str, int]:
+        return self._rpc("rlkit_param_checksums")[0]
+
+    def sleep(self) -> None:
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False

@@ -1,0 +1,36 @@
+"""GPU tests: real vLLM, Megatron on NCCL, CUDA IPC and NCCL refit. Skipped without a GPU."""
+
+import pytest
+import ray
+import torch
+
+from rlkit.config.load import load_config
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/gpu/" in str(item.fspath):
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def make_cfg(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    outputs = tmp_path_factory.mktemp("outputs")
+
+    def make(*overrides: str):
+        # a failing peer must fail the test in minutes, not hang it
+        return load_config("grpo_tiny_gpu", [f"run.cache_dir={cache}", f"run.output_dir={outputs}",
+                                             "cluster.call_timeout_s=180", "cluster.collective_timeout_s=180",
+                                             *overrides])
+
+    return make
