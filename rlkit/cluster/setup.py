@@ -40,8 +40,6 @@ def _generation_worker(cfg: RootConfig, model_dir: str) -> tuple[type, Callable[
 
 
 def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True) -> Workers:
-    from rlkit.workers.policy.megatron import MegatronPolicyWorker
-
     started = connect(cfg.cluster)
     device = device_kind()
     num_generation = cfg.generation.num_workers if with_generation else 0
@@ -53,6 +51,17 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True)
         raise RuntimeError(f"the Ray cluster cannot fit {len(placement.bundles)} bundles of {placement.bundles[0]} "
                            f"for cluster.placement={cfg.cluster.placement}; it has {ray.cluster_resources()}. "
                            f"Lower policy.num_workers / generation.num_workers or raise cluster.num_cpus") from None
+    try:
+        return _start_groups(cfg, model_dir, pg, placement, device, started, with_generation)
+    except BaseException:
+        # a worker that failed to start must not leave its bundles reserved for the next attempt
+        remove_placement_group(pg)
+        raise
+
+
+def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation) -> Workers:
+    from rlkit.workers.policy.megatron import MegatronPolicyWorker
+
     c = cfg.cluster
     # Generation first: vLLM sizes its KV cache from the free memory it measures at start-up,
     # which a policy allocating on the same GPU at the same time would falsify.

@@ -8,6 +8,7 @@ on they would differ by the truncation, which is why the recipes keep them off f
 """
 
 import os
+import pickle
 
 from rlkit.config.schema import GenerationConfig
 from rlkit.refit.plan import PackedBucket, RefitPlan
@@ -50,7 +51,8 @@ class VLLMGenerationWorker(GenerationWorker):
         return Generations(token_ids, logprobs)
 
     def _rpc(self, method: str, *args):
-        return self.llm.collective_rpc(method, args=args)
+        # pickled by hand: vLLM's msgspec RPC would turn dataclasses such as the plan into dicts
+        return self.llm.collective_rpc(method, args=(pickle.dumps(args),))
 
     def begin_refit(self, plan: RefitPlan, verify_checksums: bool) -> None:
         self._rpc("rlkit_begin_refit", plan, verify_checksums)
