@@ -8,11 +8,16 @@ from rlkit.config.load import load_config
 
 
 def pytest_collection_modifyitems(items):
+    """Every test here is marked gpu and skipped without a GPU; @pytest.mark.gpus(n) also skips
+    it on machines with fewer than n GPUs."""
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "tests/gpu/" in str(item.fspath):
-            item.add_marker(pytest.mark.gpu)
-            if not torch.cuda.is_available():
-                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "tests/gpu/" not in str(item.fspath):
+            continue
+        item.add_marker(pytest.mark.gpu)
+        needed = max([1, *(m.args[0] for m in item.iter_markers("gpus"))])
+        if available < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s), found {available}"))
 
 
 @pytest.fixture(scope="session")
