@@ -1,6 +1,7 @@
 """rlkit command line: `rlkit train --config-name <recipe> [key=value ...]`."""
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -19,8 +20,8 @@ def _train(args) -> int:
 
     result = run_grpo(cfg, resolved)
     first, last = result.history[0], result.history[-1]
-    logging.getLogger("rlkit").info("done: val_acc %.3f -> %.3f; metrics in %s", first["val/accuracy"],
-                                    last["val/accuracy"], result.run_dir / "metrics.jsonl")
+    logging.getLogger("rlkit").info("done: val_reward %.3f -> %.3f; metrics in %s", first["val/reward"],
+                                    last["val/reward"], result.run_dir / "metrics.jsonl")
     return 0
 
 
@@ -33,6 +34,13 @@ def _verify_refit(args) -> int:
                 "refit/tokens_compared", "refit/seconds", "refit/gbytes_per_s"]:
         print(f"{key}: {metrics[key]:.6g}")
     return 0
+
+
+def _env_check(args) -> int:
+    from rlkit.envs.check import check, read_samples
+
+    failures = check(args.target, json.loads(args.kwargs), read_samples(args.data), args.timeout_s)
+    return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,10 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--config-dir", default=str(RECIPES_DIR), help="directory of recipes")
     verify.add_argument("--num-prompts", type=int, default=64, help="held-out prompts to sample")
     verify.add_argument("overrides", nargs="*", help="Hydra overrides")
+    env = commands.add_parser("env", help="work on environments").add_subparsers(dest="env_command", required=True)
+    env_check = env.add_parser("check", help="run an environment on a few samples and print what it returns")
+    env_check.add_argument("target", help="importable Environment class or scoring function, e.g. my_env.MyEnv")
+    env_check.add_argument("--data", help=".jsonl/.json samples with prompt+response (or messages) and metadata")
+    env_check.add_argument("--kwargs", default="{}", help="JSON object of constructor arguments")
+    env_check.add_argument("--timeout-s", type=float, default=10.0, help="per-call timeout")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
-        return _train(args) if args.command == "train" else _verify_refit(args)
+        return {"train": _train, "verify-refit": _verify_refit, "env": _env_check}[args.command](args)
     except ConfigError as e:
         print(f"rlkit: config error: {e}", file=sys.stderr)
         return 2

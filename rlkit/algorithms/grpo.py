@@ -5,7 +5,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
@@ -16,7 +15,8 @@ from rlkit.cluster.setup import Workers, start_workers
 from rlkit.config.schema import RootConfig
 from rlkit.data.arithmetic import arithmetic_splits
 from rlkit.data.rollout import PromptStream, rollout_batch
-from rlkit.envs.arithmetic import ArithmeticEnv
+from rlkit.algorithms.rollout import Rollout, run_episodes
+from rlkit.envs.runner import EnvGroup
 from rlkit.models.resolve import cache_key, resolve_model_dir
 from rlkit.observability.metrics import MetricsLogger, PhaseTimer, console_line
 from rlkit.refit.plan import RefitPlan
@@ -36,8 +36,8 @@ class GRPOResult:
 class GRPO:
     """The pieces a GRPO step needs, set up once."""
 
-    def __init__(self, cfg: RootConfig, workers: Workers, tokenizer, env: ArithmeticEnv):
-        self.cfg, self.workers, self.tokenizer, self.env = cfg, workers, tokenizer, env
+    def __init__(self, cfg: RootConfig, workers: Workers, tokenizer, envs: EnvGroup):
+        self.cfg, self.workers, self.tokenizer, self.envs = cfg, workers, tokenizer, envs
         self.policy, self.generation = workers.policy, workers.generation
         a = cfg.algorithm
         self.loss_cfg = ClippedPolicyLossConfig(a.clip_low, a.clip_high, a.kl_coef, a.loss_aggregation)
@@ -66,22 +66,22 @@ class GRPO:
     def encode(self, rows: list[dict]) -> list[list[int]]:
         return [self.tokenizer(r["prompt"])["input_ids"] for r in rows]
 
+    def episodes(self, rows: list[dict], params: SamplingParams) -> Rollout:
+        """Generation and environment turns until every episode is done (timed as one phase:
+        in multi-turn rollouts the two interleave)."""
+        return run_episodes(rows, self.tokenizer, self.generation, self.envs, params, self.cfg.env_runner)
+
     def step(self, rows: list[dict], step: int) -> dict:
         a, timer = self.cfg.algorithm, PhaseTimer()
         with timer("step"):
             with timer("refit"):
                 refit_metrics = self.refit()
-            prompt_ids = [ids for ids in self.encode(rows) for _ in range(a.group_size)]
-            answers = [r["answer"] for r in rows for _ in range(a.group_size)]
-            with timer("generate"):
+            with timer("rollout"):
                 sampling = SamplingParams(**{**self.sampling.__dict__, "seed": self.sampling.seed + step})
-                generations = self.generation.generate(prompt_ids, sampling)
+                episodes = self.episodes([r for r in rows for _ in range(a.group_size)], sampling)
                 self.generation.call("sleep")  # colocated: give the memory back to the policy
-            with timer("reward"):
-                responses = self.tokenizer.batch_decode(generations.token_ids, skip_special_tokens=True)
-                rewards = torch.tensor(self.env.score(responses, answers))
-            rollout = rollout_batch(prompt_ids, generations, self.tokenizer.pad_token_id)
-            rollout = rollout.with_fields(advantages=grpo_advantages(rewards, a.group_size, a.normalize_std))
+            rewards = episodes.rewards
+            rollout = episodes.batch.with_fields(advantages=grpo_advantages(rewards, a.group_size, a.normalize_std))
             with timer("logprobs"):
                 rollout = rollout.with_fields(old_logprobs=self.policy.logprobs(rollout))
                 if a.kl_coef > 0:
@@ -90,10 +90,10 @@ class GRPO:
                 train_metrics = self.train(rollout)
                 self.weights_stale = True
         mask = rollout["response_mask"]
+        accuracy = {} if episodes.correct is None else {"train/accuracy": episodes.correct.float().mean().item()}
         return {
-            "train/reward": rewards.mean().item(),
-            "train/accuracy": (rewards == self.cfg.env.correct_reward).float().mean().item(),
-            "train/response_length": mask.sum(1).mean().item(),
+            "train/reward": rewards.mean().item(), **accuracy,
+            "train/response_length": mask.sum(1).mean().item(), **episodes.metrics,
             **train_metrics, **refit_metrics, **timer.seconds,
             **logprob_error(rollout["old_logprobs"], rollout["generation_logprobs"], mask),
         }
@@ -121,11 +121,9 @@ class GRPO:
         training or greedy (algorithm.val_greedy); the seed is fixed so runs compare."""
         params = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0}) if self.cfg.algorithm.val_greedy \
             else self.sampling
-        generations = self.generation.generate(self.encode(rows), params)
-        responses = self.tokenizer.batch_decode(generations.token_ids, skip_special_tokens=True)
-        rewards = torch.tensor(self.env.score(responses, [r["answer"] for r in rows]))
-        return {"val/accuracy": (rewards == self.cfg.env.correct_reward).float().mean().item(),
-                "val/reward": rewards.mean().item()}
+        episodes = self.episodes(rows, params)
+        accuracy = {} if episodes.correct is None else {"val/accuracy": episodes.correct.float().mean().item()}
+        return {"val/reward": episodes.rewards.mean().item(), **accuracy}
 
 
 def _starting_checkpoint(cfg: RootConfig, model_dir: Path) -> tuple[Path, Path | None]:
@@ -148,6 +146,7 @@ def run_grpo(cfg: RootConfig, resolved: DictConfig) -> GRPOResult:
     tokenizer = AutoTokenizer.from_pretrained(start_dir)
     workers = start_workers(cfg, str(start_dir))
     logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved)
+    envs = None
     try:
         if warm_dir is not None:
             w = cfg.algorithm.warm_start
@@ -156,7 +155,8 @@ def run_grpo(cfg: RootConfig, resolved: DictConfig) -> GRPOResult:
             cached_warm_start(workers.policy, warm_dir, lambda: sft_steps(
                 workers.policy, tokenizer, train_set, w.sft_steps, w.batch_size, w.lr, cfg.run.seed,
                 minibatch_size=w.batch_size))
-        grpo = GRPO(cfg, workers, tokenizer, ArithmeticEnv(cfg.env))
+        envs = EnvGroup(cfg.env, cfg.env_runner)
+        grpo = GRPO(cfg, workers, tokenizer, envs)
         history = [_validation_step(grpo, val_set, logger)]
         prompts = PromptStream(train_set, cfg.algorithm.prompts_per_step, cfg.run.seed)
         a = cfg.algorithm
@@ -171,6 +171,8 @@ def run_grpo(cfg: RootConfig, resolved: DictConfig) -> GRPOResult:
         return GRPOResult(history, run_dir)
     finally:
         logger.close()
+        if envs is not None:
+            envs.shutdown()
         workers.shutdown()
 
 
@@ -181,7 +183,7 @@ def run_verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
     model_dir = resolve_model_dir(cfg)
     workers = start_workers(cfg, str(model_dir))
     try:
-        grpo = GRPO(cfg, workers, AutoTokenizer.from_pretrained(model_dir), ArithmeticEnv(cfg.env))
+        grpo = GRPO(cfg, workers, AutoTokenizer.from_pretrained(model_dir), envs=None)
         metrics = grpo.refit()
         prompt_ids = grpo.encode(val_set[:num_prompts])
         generations = grpo.generation.generate(prompt_ids, grpo.sampling)
@@ -200,5 +202,5 @@ def _validation_step(grpo: GRPO, val_set, logger: MetricsLogger) -> dict:
     metrics = {**grpo.refit(), **grpo.validate(val_set)}
     metrics["timing/step"] = time.perf_counter() - start
     logger.log(0, metrics)
-    log.info("before training: val_acc %.3f", metrics["val/accuracy"])
+    log.info("before training: val_reward %.3f", metrics["val/reward"])
     return metrics

@@ -77,6 +77,7 @@ def _attention_heads(model_path: str) -> tuple[int, int] | None:
 def validate(cfg: RootConfig) -> None:
     from rlkit.algorithms.losses import LOSS_AGGREGATIONS
     from rlkit.cluster.placement import PLACEMENTS
+    from rlkit.envs.base import check_environment_config
     from rlkit.models.tiny import ARCHITECTURES, parse_tiny
     from rlkit.refit.transports import TRANSPORTS
 
@@ -147,6 +148,21 @@ def validate(cfg: RootConfig) -> None:
     if cfg.refit.transport == "nccl" and cfg.cluster.placement != "disaggregated":
         raise ConfigError("refit.transport: nccl needs cluster.placement=disaggregated (policy and vLLM on "
                           "different GPUs); use refit=cuda_ipc when colocated")
+    if "_target_" not in cfg.env:
+        raise ConfigError("env._target_: no environment set; give an importable Environment class or scoring "
+                          "function, e.g. env._target_=rlkit.envs.arithmetic.ArithmeticEnv")
+    problem = check_environment_config(cfg.env["_target_"], {k: v for k, v in cfg.env.items() if k != "_target_"})
+    if problem:
+        raise ConfigError(problem)
+    r = cfg.env_runner
+    for key, value in [("env_runner.num_workers", r.num_workers), ("env_runner.max_turns", r.max_turns),
+                       ("env_runner.max_total_tokens", r.max_total_tokens)]:
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1 (got: {value}); set a positive value")
+    if r.timeout_s <= 0:
+        raise ConfigError(f"env_runner.timeout_s: must be > 0 (got: {r.timeout_s}); set a positive number of seconds")
+    if "{observation}" not in r.observation_format:
+        raise ConfigError(f"env_runner.observation_format: must contain {{observation}} (got: {r.observation_format!r})")
     if cfg.refit.bucket_mb <= 0:
         raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb})")
     if a.warm_start.sft_steps > 0 and a.warm_start.batch_size % (dp * p.micro_batch_size):

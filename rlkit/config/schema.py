@@ -2,7 +2,7 @@
 schema only fixes names and types, so unknown keys and wrong types fail at load time."""
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
@@ -101,10 +101,14 @@ class AlgorithmConfig:
 
 
 @dataclass
-class EnvConfig:
-    name: str = MISSING
-    correct_reward: float = MISSING
-    wrong_reward: float = MISSING
+class EnvRunnerConfig:
+    num_workers: int = MISSING
+    timeout_s: float = MISSING
+    failure_reward: float = MISSING
+    fail_fast: bool = MISSING
+    max_turns: int = MISSING
+    max_total_tokens: int = MISSING
+    observation_format: str = MISSING
 
 
 @dataclass
@@ -145,6 +149,8 @@ class RootConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
+    # the environment's own keys are its constructor's: checked against it, not here
+    env: dict[str, Any] = field(default_factory=dict)
+    env_runner: EnvRunnerConfig = field(default_factory=EnvRunnerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -1,0 +1,3 @@
+from rlkit.envs.base import EnvStep, Environment
+
+__all__ = ["EnvStep", "Environment"]

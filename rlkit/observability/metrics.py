@@ -56,7 +56,9 @@ class MetricsLogger:
 def console_line(step: int, num_steps: int, m: dict) -> str:
     parts = [f"step {step:>3}/{num_steps}"]
     for key, label, fmt in [("train/reward", "reward", ".3f"), ("train/accuracy", "acc", ".3f"),
-                            ("val/accuracy", "val_acc", ".3f"), ("train/response_length", "len", ".1f"),
+                            ("val/accuracy", "val_acc", ".3f"), ("val/reward", "val_reward", ".3f"),
+                            ("train/turns", "turns", ".2f"), ("env/failures", "env_fail", "d"),
+                            ("train/response_length", "len", ".1f"),
                             ("train/kl", "kl", ".4f"), ("train/entropy", "ent", ".3f"),
                             ("train/grad_norm", "gnorm", ".3f"),
                             ("refit/logprob_abs_error_mean", "lp_err", ".1e"), ("timing/step", "time", ".2f")]:

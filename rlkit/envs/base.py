@@ -1,0 +1,109 @@
+"""The environment API.
+
+Subclass `Environment` and implement `step`, or write a plain function
+`score(response: str, metadata: dict) -> float` for single-turn scoring. Either is selected with
+`env._target_=<importable path>`; the other `env.*` keys are passed to the constructor.
+
+`step(messages, metadata)` gets the conversation so far (OpenAI-style dicts; the last one is the
+model's latest answer) and the sample's metadata (every dataset field except "prompt"), and
+returns an EnvStep. A multi-turn episode continues while `done` is False: `observation` becomes
+the next user turn. Rewards of all turns are summed.
+"""
+
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def import_target(target: str):
+    """'package.module.Name' -> the object. Modules in the directory rlkit was started from
+    import too, so a user's my_env.py next to their recipe just works."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    module, _, name = target.rpartition(".")
+    if not module:
+        raise ImportError(f"{target!r} is not a dotted path like my_module.MyEnv")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    reward: float
+    done: bool
+    observation: str | None = None  # the next user turn when not done
+    correct: bool | None = None  # optional: counted as train/accuracy
+
+
+class Environment:
+    """Base class for environments. Constructor keyword arguments come from `env.*` config keys."""
+
+    def step(self, messages: list[dict], metadata: dict) -> EnvStep:
+        raise NotImplementedError
+
+
+class FunctionEnvironment(Environment):
+    """Wraps a single-turn scoring function score(response, metadata) -> float."""
+
+    def __init__(self, fn: Callable[[str, dict], float]):
+        self.fn = fn
+
+    def step(self, messages: list[dict], metadata: dict) -> EnvStep:
+        return EnvStep(reward=self.fn(messages[-1]["content"], metadata), done=True)
+
+
+class MalformedStepError(TypeError):
+    pass
+
+
+def as_env_step(value: Any, multi_turn_allowed: bool = True) -> EnvStep:
+    """Accept an EnvStep, or a bare number from a scoring function; anything else is malformed."""
+    if isinstance(value, EnvStep):
+        step = value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        step = EnvStep(reward=float(value), done=True)
+    else:
+        raise MalformedStepError(f"expected EnvStep or a number, got {type(value).__name__}: {value!r:.200}")
+    if not isinstance(step.reward, (int, float)) or isinstance(step.reward, bool) or step.reward != step.reward:
+        raise MalformedStepError(f"EnvStep.reward must be a finite number, got {step.reward!r:.100}")
+    if not step.done and not isinstance(step.observation, str):
+        raise MalformedStepError("EnvStep with done=False needs a string observation (the next user turn)")
+    return step
+
+
+def load_environment(target: str, kwargs: dict) -> Environment:
+    """Build the environment named by `target` (a class or a function) with `kwargs`."""
+    obj = import_target(target)
+    if inspect.isclass(obj) and issubclass(obj, Environment):
+        return obj(**kwargs)
+    if callable(obj) and not inspect.isclass(obj):
+        if kwargs:
+            raise TypeError(f"{target} is a scoring function and takes no config keys, got {sorted(kwargs)}")
+        return FunctionEnvironment(obj)
+    raise TypeError(f"{target} is neither an rlkit.envs.Environment subclass nor a scoring function")
+
+
+def check_environment_config(target: str, kwargs: dict) -> str | None:
+    """None if `target` imports and accepts `kwargs`; otherwise the reason, naming the key."""
+    try:
+        obj = import_target(target)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to see
+        return f"env._target_: cannot import {target!r} ({type(e).__name__}: {e}); check the module path"
+    if inspect.isclass(obj) and issubclass(obj, Environment):
+        params = inspect.signature(obj.__init__).parameters
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            for key in kwargs:
+                if key not in params:
+                    return f"env.{key}: unknown key for {target}; it accepts {sorted(set(params) - {'self'})}"
+        return None
+    if callable(obj) and not inspect.isclass(obj):
+        if kwargs:
+            return f"env.{sorted(kwargs)[0]}: {target} is a scoring function and takes no config keys"
+        try:
+            inspect.signature(obj).bind("response", {})
+        except TypeError:
+            return f"env._target_: {target} must take (response: str, metadata: dict) to be a scoring function"
+        return None
+    return f"env._target_: {target} is neither an rlkit.envs.Environment subclass nor a scoring function"

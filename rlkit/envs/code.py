@@ -1,0 +1,26 @@
+"""Code-execution reward: the model's program runs against the sample's tests in the sandbox."""
+
+import re
+
+from rlkit.envs.base import EnvStep, Environment
+from rlkit.envs.sandbox import SandboxLimits, run_python
+
+_FENCED = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
+
+
+def extract_program(response: str) -> str:
+    """The last ```python fenced block, else the whole response."""
+    blocks = _FENCED.findall(response)
+    return blocks[-1] if blocks else response
+
+
+class CodeExecutionEnv(Environment):
+    """Reward 1 when the program followed by metadata["tests"] (e.g. asserts) exits cleanly."""
+
+    def __init__(self, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512):
+        self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb)
+
+    def step(self, messages: list[dict], metadata: dict) -> EnvStep:
+        program = extract_program(messages[-1]["content"]) + "\n\n" + metadata["tests"] + "\n"
+        result = run_python(program, self.limits)
+        return EnvStep(reward=1.0 if result.ok else 0.0, done=True, correct=result.ok)

@@ -1,0 +1,129 @@
+"""Environments in Ray actors: parallel, with a per-call timeout, and user bugs contained.
+
+An exception, a timeout or a malformed return in user code becomes a recorded failure for that
+sample (reward = env_runner.failure_reward), never a crashed or hung run. With
+env_runner.fail_fast the first failure is raised instead.
+"""
+
+import logging
+import os
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import ray
+
+from rlkit.config.schema import EnvRunnerConfig
+from rlkit.envs.base import EnvStep, as_env_step, load_environment
+
+log = logging.getLogger("rlkit")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    step: EnvStep | None  # None when the call failed
+    failure: str | None = None  # "exception" | "timeout" | "malformed"
+    detail: str = ""  # traceback or message
+
+
+def safe_step(env, messages: list[dict], metadata: dict, timeout_s: float,
+              executor: ThreadPoolExecutor) -> tuple[StepOutcome, bool]:
+    """Run env.step in `executor` with a timeout. Returns (outcome, executor_is_stuck)."""
+    future = executor.submit(env.step, messages, metadata)
+    try:
+        value = future.result(timeout=timeout_s)
+    except FutureTimeout:
+        return StepOutcome(None, "timeout", f"step() did not return within {timeout_s}s "
+                                            "(env_runner.timeout_s)"), True
+    except Exception:  # noqa: BLE001 - user code may raise anything
+        return StepOutcome(None, "exception", traceback.format_exc()), False
+    try:
+        return StepOutcome(as_env_step(value)), False
+    except TypeError as e:
+        return StepOutcome(None, "malformed", str(e)), False
+
+
+class EnvWorker:
+    """One environment instance in its own process. A call stuck in user code is abandoned
+    (its thread cannot be killed); the controller replaces a worker that reports one."""
+
+    def __init__(self, target: str, kwargs: dict, timeout_s: float):
+        self.env = load_environment(target, kwargs)
+        self.timeout_s = timeout_s
+
+    def step_many(self, items: list[tuple[list[dict], dict]]) -> tuple[list[StepOutcome], bool]:
+        executor, stuck = ThreadPoolExecutor(max_workers=1), False
+        outcomes = []
+        for messages, metadata in items:
+            outcome, executor_stuck = safe_step(self.env, messages, metadata, self.timeout_s, executor)
+            outcomes.append(outcome)
+            if executor_stuck:
+                stuck = True
+                executor = ThreadPoolExecutor(max_workers=1)
+        return outcomes, stuck
+
+
+class EnvironmentFailure(RuntimeError):
+    pass
+
+
+class EnvGroup:
+    """The controller's handle on the environment workers."""
+
+    def __init__(self, env_cfg: dict, cfg: EnvRunnerConfig):
+        self.target = env_cfg["_target_"]
+        self.kwargs = {k: v for k, v in env_cfg.items() if k != "_target_"}
+        self.cfg = cfg
+        # user modules next to where rlkit was launched must import inside the actors too
+        path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
+        self._remote = ray.remote(num_cpus=0.1, runtime_env={"env_vars": {"PYTHONPATH": path}})(EnvWorker)
+        self.workers = [self._spawn() for _ in range(cfg.num_workers)]
+        self._logged_failure = False
+
+    def _spawn(self):
+        return self._remote.remote(self.target, self.kwargs, self.cfg.timeout_s)
+
+    def step(self, items: list[tuple[list[dict], dict]]) -> tuple[list[EnvStep], dict]:
+        """One step for each (messages, metadata); failed calls get env_runner.failure_reward.
+        Returns the steps and failure counts by kind."""
+        n = len(self.workers)
+        chunks = [items[i::n] for i in range(n)]
+        refs = [w.step_many.remote(chunk) for w, chunk in zip(self.workers, chunks)]
+        outcomes: list[StepOutcome | None] = [None] * len(items)
+        for i, (ref, chunk) in enumerate(zip(refs, chunks)):
+            try:
+                results, stuck = ray.get(ref, timeout=self.cfg.timeout_s * (len(chunk) + 1) + 30)
+            except Exception as e:  # noqa: BLE001 - a dead or wedged worker fails its samples, not the run
+                results, stuck = [StepOutcome(None, "exception", f"environment worker {i} failed: {e}")] * len(chunk), True
+            if stuck:
+                ray.kill(self.workers[i])
+                self.workers[i] = self._spawn()
+            for j, outcome in enumerate(results):
+                outcomes[i + j * n] = outcome
+        return self._resolve(outcomes)
+
+    def _resolve(self, outcomes: list[StepOutcome]) -> tuple[list[EnvStep], dict]:
+        counts = {"env/failures": 0, "env/timeouts": 0, "env/exceptions": 0, "env/malformed": 0}
+        steps = []
+        for outcome in outcomes:
+            if outcome.step is not None:
+                steps.append(outcome.step)
+                continue
+            if self.cfg.fail_fast:
+                raise EnvironmentFailure(f"environment {self.target} failed ({outcome.failure}); "
+                                         f"env_runner.fail_fast is on:\n{outcome.detail}")
+            if not self._logged_failure:
+                log.warning("environment %s failed (%s); scoring such samples %s and counting them in "
+                            "env/failures. First failure:\n%s", self.target, outcome.failure,
+                            self.cfg.failure_reward, outcome.detail)
+                self._logged_failure = True
+            counts["env/failures"] += 1
+            counts[{"timeout": "env/timeouts", "exception": "env/exceptions",
+                    "malformed": "env/malformed"}[outcome.failure]] += 1
+            steps.append(EnvStep(reward=self.cfg.failure_reward, done=True))
+        return steps, counts
+
+    def shutdown(self):
+        for worker in self.workers:
+            ray.kill(worker)
