@@ -1,0 +1,140 @@
+"""Environments on a real local Ray cluster: user bugs become recorded failures, hung calls are
+cut off and their worker replaced, multi-turn rollouts mask the environment's tokens, and the
+README's custom environment runs as documented."""
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from rlkit.algorithms.rollout import run_episodes
+from rlkit.cluster.setup import start_workers
+from rlkit.config.schema import EnvRunnerConfig
+from rlkit.envs.runner import EnvGroup, EnvironmentFailure
+from rlkit.workers.generation.base import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+FAULTY = '''
+import time
+from rlkit.envs import EnvStep, Environment
+
+class Faulty(Environment):
+    def step(self, messages, metadata):
+        mode = metadata["mode"]
+        if mode == "raise":
+            raise ZeroDivisionError("user bug")
+        if mode == "hang":
+            time.sleep(60)
+        if mode == "garbage":
+            return {"reward": 1}
+        return EnvStep(reward=1.0, done=True)
+'''
+
+
+def runner_cfg(**overrides) -> EnvRunnerConfig:
+    values = dict(num_workers=2, timeout_s=1.0, failure_reward=-1.0, fail_fast=False, max_turns=1,
+                  max_total_tokens=64, observation_format="{observation}")
+    return EnvRunnerConfig(**{**values, **overrides})
+
+
+@pytest.fixture
+def faulty_env(tmp_path, monkeypatch):
+    (tmp_path / "faulty_env.py").write_text(FAULTY)
+    monkeypatch.chdir(tmp_path)  # user modules import from the launch directory
+    return {"_target_": "faulty_env.Faulty"}
+
+
+def test_user_failures_are_recorded_not_fatal(ray_cluster, faulty_env):
+    envs = EnvGroup(faulty_env, runner_cfg())
+    try:
+        modes = ["ok", "raise", "hang", "garbage", "ok", "ok"]
+        steps, counts = envs.step([([{"role": "assistant", "content": "x"}], {"mode": m}) for m in modes])
+        assert [s.reward for s in steps] == [1.0, -1.0, -1.0, -1.0, 1.0, 1.0]
+        assert counts == {"env/failures": 3, "env/timeouts": 1, "env/exceptions": 1, "env/malformed": 1}
+        # the worker whose call hung was replaced: the next batch runs normally
+        steps, counts = envs.step([([{"role": "assistant", "content": "x"}], {"mode": "ok"})] * 4)
+        assert [s.reward for s in steps] == [1.0] * 4 and counts["env/failures"] == 0
+    finally:
+        envs.shutdown()
+
+
+def test_fail_fast_raises_with_the_traceback(ray_cluster, faulty_env):
+    envs = EnvGroup(faulty_env, runner_cfg(fail_fast=True))
+    try:
+        with pytest.raises(EnvironmentFailure, match="faulty_env.Faulty failed \\(exception\\)") as error:
+            envs.step([([{"role": "assistant", "content": "x"}], {"mode": "raise"})])
+        assert "ZeroDivisionError: user bug" in str(error.value)
+    finally:
+        envs.shutdown()
+
+
+def test_multi_turn_rollout_masks_environment_tokens(ray_cluster, make_cfg, tiny_qwen2):
+    cfg, _ = make_cfg("env=guess_sum", "env_runner.max_turns=3", "generation.num_workers=1")
+    workers = start_workers(cfg, str(tiny_qwen2))
+    envs = EnvGroup(cfg.env, cfg.env_runner)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
+    try:
+        rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(8)]
+        rollout = run_episodes(rows, tokenizer, workers.generation, envs,
+                               SamplingParams(4, 1.0, 1.0, 0, seed=0), cfg.env_runner)
+    finally:
+        envs.shutdown()
+        workers.shutdown()
+    batch = rollout.batch
+    assert rollout.metrics["train/turns"] > 1  # the random model is wrong, so episodes go on
+    for i, row in enumerate(rows):
+        ids, mask = batch["input_ids"][i], batch["response_mask"][i]
+        length = len(ids)
+        while length and ids[length - 1] == tokenizer.pad_token_id and mask[length - 1] == 0:
+            length -= 1  # right padding (a pad the model itself sampled is trained on: mask 1)
+        prompt_len = len(tokenizer(row["prompt"])["input_ids"])
+        assert mask[:prompt_len].sum() == 0
+        # every maximal run of mask-0 tokens after the prompt decodes to an environment message
+        segments = re.findall(r"0+", "".join(str(int(m)) for m in mask[prompt_len:length].tolist()))
+        untrained = [ids[prompt_len:length][j] for j, m in enumerate(mask[prompt_len:length]) if m == 0]
+        text = tokenizer.decode(untrained)
+        assert len(segments) == text.count(row["prompt"])  # one observation (feedback + prompt) per segment
+        assert all(w in ("higher", "lower", "a", "number", "please") or re.fullmatch(r"\d+\+\d+=", w)
+                   for w in text.split())
+        # sampler logprobs exist exactly where the model generated
+        assert torch.all((batch["generation_logprobs"][i] != 0) <= (mask == 1))
+
+
+README_EXAMPLE = re.compile(r"<!-- env-example -->\n```python\n(.*?)```.*?```bash\n(.*?)```", re.DOTALL)
+
+
+def test_readme_custom_environment_runs(tmp_path):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code, command = README_EXAMPLE.search(readme).groups()
+    assert len(code.strip().splitlines()) < 30
+    (tmp_path / "my_env.py").write_text(code)
+    argv = command.strip().split()
+    assert argv[:2] == ["rlkit", "train"]
+    result = subprocess.run(
+        [sys.executable, "-m", "rlkit.cli", *argv[1:], "algorithm.num_steps=2", "algorithm.val_every=2",
+         "algorithm.warm_start.sft_steps=2", "algorithm.prompts_per_step=8", "policy.train_global_batch_size=64",
+         f"run.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'out'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, textwrap.shorten(result.stderr[-3000:], 3000)
+    assert "step   2/2 | reward" in result.stderr
+
+
+def test_multi_turn_grpo_improves(ray_cluster, cache_dir, tmp_path):
+    """recipes/grpo_tiny_cpu_multiturn.yaml as shipped: reward rises over its 60 steps
+    (measured: validation reward 0.20 -> 0.37, training reward 0.25 -> 0.36 over 10-step means)."""
+    from rlkit.algorithms.grpo import run_grpo
+    from rlkit.config.load import load_config
+
+    cfg, resolved = load_config("grpo_tiny_cpu_multiturn", [f"run.cache_dir={cache_dir}",
+                                                            f"run.output_dir={tmp_path}"])
+    history = run_grpo(cfg, resolved).history
+    rewards = [m["train/reward"] for m in history[1:]]
+    assert history[-1]["val/reward"] >= history[0]["val/reward"] + 0.08
+    assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + 0.03
+    assert max(m["train/turns"] for m in history[1:]) > 1.5  # episodes really are multi-turn

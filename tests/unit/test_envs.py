@@ -1,0 +1,135 @@
+"""Built-in environments, the math verifier, the env API's checks and failure recording."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from rlkit.envs.arithmetic import ArithmeticEnv, GuessSumEnv
+from rlkit.envs.base import EnvStep, MalformedStepError, as_env_step, check_environment_config, load_environment
+from rlkit.envs.math import MathEnv, answers_match, extract_answer, normalize
+from rlkit.envs.runner import safe_step
+
+
+def conversation(*turns: str) -> list[dict]:
+    roles = ["user", "assistant"]
+    return [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("so the answer is \\boxed{72}", "72"),
+    ("\\boxed{1} then \\boxed{x^{2}+1}", "x^{2}+1"),  # last box, nested braces
+    ("work...\n#### 1,000", "1,000"),
+    ("#### 5\nmore\n#### 6", "6"),
+    ("\\boxed{unclosed", None),
+    ("no final answer", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("a, b", [("72.0", "72"), ("1,000", "1000"), ("$1,000.00", "1000"), ("50%", "50"),
+                                  ("\\frac{1}{2}", "0.5"), ("-3", "-3.0"), (" x + 1 ", "x + 1")])
+def test_normalize_equal(a, b):
+    assert normalize(a) == normalize(b)
+
+
+def test_normalize_different():
+    assert normalize("72") != normalize("72.5")
+    assert not answers_match("\\boxed{71}", "72")
+
+
+def test_math_env():
+    env = MathEnv()
+    assert env.step(conversation("q", "thus \\boxed{72.0}"), {"answer": "72"}) == EnvStep(1.0, True, correct=True)
+    assert env.step(conversation("q", "#### 7"), {"answer": 8}) == EnvStep(0.0, True, correct=False)
+
+
+def test_arithmetic_env_exact_integer():
+    env = ArithmeticEnv(correct_reward=2.0, wrong_reward=-1.0)
+    assert env.step(conversation("3+4=", " 7 "), {"answer": "7"}).reward == 2.0
+    assert env.step(conversation("3+4=", "7.0"), {"answer": "7"}).reward == -1.0
+
+
+def test_guess_sum_feedback_and_discount():
+    env = GuessSumEnv(turn_discount=0.5)
+    low = env.step(conversation("3+4=", "5"), {"answer": "7"})
+    assert (low.done, low.reward, low.observation) == (False, 0.0, " higher\n3+4=")
+    assert env.step(conversation("3+4=", "9"), {"answer": "7"}).observation.startswith(" lower")
+    assert env.step(conversation("3+4=", "??"), {"answer": "7"}).observation.startswith(" a number please")
+    second = env.step(conversation("3+4=", "5", " higher\n3+4=", "7"), {"answer": "7"})
+    assert (second.done, second.reward, second.correct) == (True, 0.5, True)
+
+
+@pytest.mark.parametrize("value", ["1.0", True, None, {"reward": 1}, float("nan"),
+                                   EnvStep(reward=1.0, done=False)])  # not done needs an observation
+def test_malformed_returns_are_rejected(value):
+    with pytest.raises(MalformedStepError):
+        as_env_step(value)
+
+
+def test_numbers_become_final_steps():
+    assert as_env_step(3) == EnvStep(3.0, True)
+
+
+def test_config_checks_name_the_key():
+    assert check_environment_config("rlkit.envs.arithmetic.ArithmeticEnv", {"correct_reward": 2.0}) is None
+    assert check_environment_config("rlkit.envs.arithmetic.ArithmeticEnv", {"bonus": 1}).startswith("env.bonus:")
+    assert check_environment_config("rlkit.envs.math.answers_match", {}) is None  # (response, metadata)
+    assert check_environment_config("rlkit.envs.math.extract_answer", {}).startswith("env._target_:")  # 1 arg
+    assert check_environment_config("rlkit.envs.math.answers_match", {"x": 1}).startswith("env.x:")
+    assert "cannot import" in check_environment_config("no_such_module.Env", {})
+
+
+def exact_score(response: str, metadata: dict) -> float:
+    return float(response.strip() == metadata["answer"])
+
+
+def test_scoring_function_as_environment():
+    env = load_environment(f"{__name__}.exact_score", {})
+    assert env.step(conversation("q", " 4"), {"answer": "4"}) == EnvStep(1.0, True)
+    assert env.step(conversation("q", "5"), {"answer": "4"}) == EnvStep(0.0, True)
+
+
+class _Raises:
+    def step(self, messages, metadata):
+        raise ValueError("bug in user code")
+
+
+class _Hangs:
+    def step(self, messages, metadata):
+        time.sleep(5)
+
+
+class _Garbage:
+    def step(self, messages, metadata):
+        return "great answer!"
+
+
+@pytest.mark.parametrize("env, failure, stuck", [(_Raises(), "exception", False), (_Hangs(), "timeout", True),
+                                                 (_Garbage(), "malformed", False)])
+def test_safe_step_records_failures(env, failure, stuck):
+    outcome, executor_stuck = safe_step(env, conversation("q", "a"), {}, 0.5, ThreadPoolExecutor(1))
+    assert outcome.step is None and outcome.failure == failure and executor_stuck == stuck
+    if failure == "exception":
+        assert "ValueError: bug in user code" in outcome.detail
+
+
+def test_env_check_command(tmp_path, capsys):
+    import json
+
+    from rlkit.cli import main
+
+    data = tmp_path / "samples.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [{"prompt": "1+1=", "response": "2", "answer": "2"},
+                                                       {"prompt": "1+2=", "response": "4", "answer": "3"}]))
+    assert main(["env", "check", "rlkit.envs.arithmetic.ArithmeticEnv", "--data", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert "EnvStep(reward=1.0, done=True" in out and "EnvStep(reward=0.0, done=True" in out
+    assert "2/2 samples scored, 0 failed" in out
+    # a failing environment is shown, with its traceback, and the command exits non-zero
+    assert main(["env", "check", f"{__name__}.exact_score", "--data", str(data)]) == 0
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"prompt": "q", "response": "a"}))  # no "answer": exact_score raises
+    assert main(["env", "check", f"{__name__}.exact_score", "--data", str(broken)]) == 1
+    assert "FAILED (exception)" in capsys.readouterr().out
