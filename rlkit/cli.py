@@ -43,6 +43,13 @@ def _env_check(args) -> int:
     return 1 if failures else 0
 
 
+def _convert(args) -> int:
+    from rlkit.checkpoint import export_hf
+
+    print(f"HF checkpoint written to {export_hf(Path(args.checkpoint), Path(args.out))}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlkit")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -62,10 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     env_check.add_argument("--data", help=".jsonl/.json samples with prompt+response (or messages) and metadata")
     env_check.add_argument("--kwargs", default="{}", help="JSON object of constructor arguments")
     env_check.add_argument("--timeout-s", type=float, default=10.0, help="per-call timeout")
+    convert = commands.add_parser("convert", help="export HF weights from a checkpoint")
+    convert.add_argument("checkpoint", help="a checkpoint directory (.../checkpoints/step_NNNNNN)")
+    convert.add_argument("out", help="directory for the HF checkpoint")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
-        return {"train": _train, "verify-refit": _verify_refit, "env": _env_check}[args.command](args)
+        commands = {"train": _train, "verify-refit": _verify_refit, "env": _env_check, "convert": _convert}
+        return commands[args.command](args)
     except ConfigError as e:
         print(f"rlkit: config error: {e}", file=sys.stderr)
         return 2

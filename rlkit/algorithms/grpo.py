@@ -11,7 +11,9 @@ from transformers import AutoTokenizer
 from rlkit.algorithms.advantages import grpo_advantages
 from rlkit.algorithms.losses import ClippedPolicyLossConfig, batch_totals
 from rlkit.algorithms.sft import cached_warm_start, sft_steps
+from rlkit.checkpoint import CheckpointManager
 from rlkit.cluster.setup import Workers, start_workers
+from rlkit.cluster.worker_group import WorkerError
 from rlkit.config.schema import RootConfig
 from rlkit.data.arithmetic import arithmetic_splits
 from rlkit.data.rollout import PromptStream, rollout_batch
@@ -36,7 +38,8 @@ class GRPOResult:
 class GRPO:
     """The pieces a GRPO step needs, set up once."""
 
-    def __init__(self, cfg: RootConfig, workers: Workers, tokenizer, envs: EnvGroup):
+    def __init__(self, cfg: RootConfig, workers: Workers, tokenizer, envs: EnvGroup | None,
+                 reference_dir: Path | None = None):
         self.cfg, self.workers, self.tokenizer, self.envs = cfg, workers, tokenizer, envs
         self.policy, self.generation = workers.policy, workers.generation
         a = cfg.algorithm
@@ -45,8 +48,8 @@ class GRPO:
         self.sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, seed=cfg.run.seed)
         self.policy.call("set_temperature", g.temperature or 1.0)
         self.policy.call("set_learning_rate", cfg.policy.optimizer.lr)
-        if a.kl_coef > 0:
-            self.policy.call("init_reference")
+        if a.kl_coef > 0:  # the KL anchor: the weights the run started from (after any warm start)
+            self.policy.call("init_reference", str(reference_dir))
         manifest = self.policy.rank0("refit_manifest")
         self.plan = RefitPlan.build(manifest, int(cfg.refit.bucket_mb * 2**20),
                                     transfer_dtype="bfloat16" if g.precision == "bf16" else None,
@@ -141,34 +144,58 @@ def _starting_checkpoint(cfg: RootConfig, model_dir: Path) -> tuple[Path, Path |
 
 def run_grpo(cfg: RootConfig, resolved: DictConfig) -> GRPOResult:
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    checkpoints = CheckpointManager(cfg.checkpoint, run_dir)
+    resume_from = checkpoints.to_resume()
+    state = CheckpointManager.controller_state(resume_from) if resume_from else None
     train_set, val_set = arithmetic_splits(cfg.data)
-    start_dir, warm_dir = _starting_checkpoint(cfg, resolve_model_dir(cfg))
-    tokenizer = AutoTokenizer.from_pretrained(start_dir)
-    workers = start_workers(cfg, str(start_dir))
-    logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved)
+    reference_dir, warm_dir = _starting_checkpoint(cfg, resolve_model_dir(cfg))
+    if resume_from is not None and warm_dir is not None and cfg.algorithm.kl_coef > 0:
+        raise FileNotFoundError(f"resuming {resume_from} needs the warm-start checkpoint {warm_dir} as the KL "
+                                f"reference, and it is gone (run.cache_dir={cfg.run.cache_dir}); restore it or "
+                                f"set checkpoint.resume=none")
+    tokenizer = AutoTokenizer.from_pretrained(reference_dir)
+    workers = start_workers(cfg, str(reference_dir))
+    logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state and state["step"])
+    prompts = PromptStream(train_set, cfg.algorithm.prompts_per_step, cfg.run.seed)
     envs = None
     try:
-        if warm_dir is not None:
+        if resume_from is not None:
+            log.info("resuming from %s: continuing after step %d", resume_from, state["step"])
+            workers.policy.call("load_checkpoint", str(resume_from), cfg.checkpoint.save_format)
+            prompts.restore(state["prompts"])
+        elif warm_dir is not None:
             w = cfg.algorithm.warm_start
             log.info("warm start: the random-init model cannot earn reward yet; running %d SFT steps with "
                      "rlkit's trainer, cached in %s", w.sft_steps, warm_dir)
             cached_warm_start(workers.policy, warm_dir, lambda: sft_steps(
                 workers.policy, tokenizer, train_set, w.sft_steps, w.batch_size, w.lr, cfg.run.seed,
                 minibatch_size=w.batch_size))
+            reference_dir = warm_dir
         envs = EnvGroup(cfg.env, cfg.env_runner)
-        grpo = GRPO(cfg, workers, tokenizer, envs)
-        history = [_validation_step(grpo, val_set, logger)]
-        prompts = PromptStream(train_set, cfg.algorithm.prompts_per_step, cfg.run.seed)
-        a = cfg.algorithm
-        for step in range(1, a.num_steps + 1):
-            metrics = grpo.step(next(prompts), step)
-            if step % a.val_every == 0 or step == a.num_steps:
-                grpo.refit()
-                metrics.update(grpo.validate(val_set))
-            logger.log(step, metrics)
-            log.info(console_line(step, a.num_steps, metrics))
-            history.append(metrics)
-        return GRPOResult(history, run_dir)
+        grpo = GRPO(cfg, workers, tokenizer, envs, reference_dir)
+        if resume_from is None:
+            _validation_step(grpo, val_set, logger)
+        a, first = cfg.algorithm, (state["step"] + 1 if state else 1)
+        started = time.perf_counter()
+        for step in range(first, a.num_steps + 1):
+            try:
+                metrics = grpo.step(next(prompts), step)
+                if step % a.val_every == 0 or step == a.num_steps:
+                    grpo.refit()
+                    metrics.update(grpo.validate(val_set))
+                logger.log(step, metrics)
+                log.info(console_line(step, a.num_steps, metrics, (time.perf_counter() - started) / (step - first + 1)))
+                every = cfg.checkpoint.every
+                if (every and step % every == 0) or step == a.num_steps:
+                    checkpoints.save(step, lambda path: workers.policy.call(
+                        "save_checkpoint", path, cfg.checkpoint.save_format),
+                        {"step": step, "prompts": prompts.state()}, resolved)
+            except WorkerError as e:
+                last = checkpoints.complete()
+                raise WorkerError(f"step {step}: {e}\nThe last complete checkpoint is "
+                                  f"{last[-1] if last else 'none'}; rerun the same command to resume "
+                                  f"(checkpoint.resume=auto).") from None
+        return GRPOResult(logger.history, run_dir)
     finally:
         logger.close()
         if envs is not None:
@@ -197,10 +224,9 @@ def run_verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
         workers.shutdown()
 
 
-def _validation_step(grpo: GRPO, val_set, logger: MetricsLogger) -> dict:
+def _validation_step(grpo: GRPO, val_set, logger: MetricsLogger):
     start = time.perf_counter()
     metrics = {**grpo.refit(), **grpo.validate(val_set)}
     metrics["timing/step"] = time.perf_counter() - start
     logger.log(0, metrics)
     log.info("before training: val_reward %.3f", metrics["val/reward"])
-    return metrics

@@ -5,7 +5,7 @@ import time
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlkit.data.batch import Batch
@@ -46,21 +46,27 @@ class WorkerGroup:
         return len(self.actors)
 
     def wait(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
-        """ray.get with the group's timeout; a dead or failing worker becomes one error naming it.
-        ranks[i] is the worker that refs[i] came from (default: refs are one per worker)."""
+        """Results of refs (in order) within the group's timeout. The first worker to die or fail
+        ends the wait at once, as one error naming it: peers blocked in a collective with it are
+        not waited for. ranks[i] is the worker refs[i] came from (default: one ref per worker)."""
+        ranks = list(ranks or range(len(refs)))
+        owner = {ref: rank for ref, rank in zip(refs, ranks)}
         deadline = time.monotonic() + self.timeout_s
-        results = []
-        for rank, ref in zip(ranks or range(len(refs)), refs):
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                late = sorted({owner[r] for r in pending})
+                raise WorkerError(f"{self.role} worker(s) {late} did not finish '{what}' within "
+                                  f"{self.timeout_s:.0f}s (cluster.call_timeout_s)")
+            rank = owner[ready[0]]
             try:
-                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)))
-            except GetTimeoutError:
-                raise WorkerError(f"{self.role} worker {rank} did not finish '{what}' within "
-                                  f"{self.timeout_s:.0f}s (cluster.call_timeout_s)") from None
+                ray.get(ready[0])
             except RayActorError as e:
                 raise WorkerError(f"{self.role} worker {rank} died during '{what}': {e}") from None
             except RayTaskError as e:
                 raise WorkerError(f"{self.role} worker {rank} failed in '{what}':\n{e}") from None
-        return results
+        return ray.get(list(refs))
 
     def submit(self, method: str, *args, ranks: list[int] | None = None, **kwargs) -> list:
         """Same arguments to every worker (or to `ranks`); returns object refs."""

@@ -148,6 +148,10 @@ def validate(cfg: RootConfig) -> None:
     if cfg.refit.transport == "nccl" and cfg.cluster.placement != "disaggregated":
         raise ConfigError("refit.transport: nccl needs cluster.placement=disaggregated (policy and vLLM on "
                           "different GPUs); use refit=cuda_ipc when colocated")
+    _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
+        raise ConfigError(f"checkpoint.every / checkpoint.keep_last: must be >= 0 (got: {cfg.checkpoint.every}, "
+                          f"{cfg.checkpoint.keep_last})")
     if "_target_" not in cfg.env:
         raise ConfigError("env._target_: no environment set; give an importable Environment class or scoring "
                           "function, e.g. env._target_=rlkit.envs.arithmetic.ArithmeticEnv")

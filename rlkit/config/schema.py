@@ -122,6 +122,15 @@ class DataConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = MISSING
+    save_format: str = MISSING
+    keep_last: int = MISSING
+    resume: str = MISSING
+    dir: Optional[str] = MISSING
+
+
+@dataclass
 class WandbConfig:
     enabled: bool = MISSING
     project: str = MISSING
@@ -131,6 +140,8 @@ class WandbConfig:
 @dataclass
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: bool = MISSING
+    plots: bool = MISSING
 
 
 @dataclass
@@ -154,3 +165,4 @@ class RootConfig:
     env_runner: EnvRunnerConfig = field(default_factory=EnvRunnerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -15,6 +15,13 @@ class PromptStream:
         self.rows, self.size, self.rng = list(dataset), size, random.Random(seed)
         self.order, self.position = [], 0
 
+    def state(self) -> dict:
+        return {"rng": self.rng.getstate(), "order": list(self.order), "position": self.position}
+
+    def restore(self, state: dict):
+        self.rng.setstate(state["rng"])
+        self.order, self.position = list(state["order"]), state["position"]
+
     def __next__(self) -> list[dict]:
         batch = []
         while len(batch) < self.size:

@@ -77,7 +77,9 @@ class EnvGroup:
         self.cfg = cfg
         # user modules next to where rlkit was launched must import inside the actors too
         path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
-        self._remote = ray.remote(num_cpus=0.1, runtime_env={"env_vars": {"PYTHONPATH": path}})(EnvWorker)
+        # num_cpus=0: environments are light, and the placement group may hold every CPU of the
+        # cluster for policy and generation workers
+        self._remote = ray.remote(num_cpus=0, runtime_env={"env_vars": {"PYTHONPATH": path}})(EnvWorker)
         self.workers = [self._spawn() for _ in range(cfg.num_workers)]
         self._logged_failure = False
 

@@ -1,4 +1,8 @@
-"""Metrics: phase timers, one console line per step, a JSONL file, optional wandb."""
+"""Metrics: phase timers, one console line per step with a progress bar and ETA, a JSONL file,
+TensorBoard, optional wandb, and PNG plots at the end of a run.
+
+Names are namespaced: train/, val/, refit/, env/, timing/.
+"""
 
 import json
 import logging
@@ -30,31 +34,100 @@ class PhaseTimer:
 
 
 class MetricsLogger:
-    def __init__(self, cfg: LoggerConfig, run_dir: Path, run_name: str, resolved: DictConfig):
-        self.run_dir = run_dir
+    """resume_step: the run continues after this step; later lines from the interrupted run are
+    dropped so the file reads as one uninterrupted run."""
+
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, run_name: str, resolved: DictConfig,
+                 resume_step: int | None = None):
+        self.cfg, self.run_dir = cfg, run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-        self._file = open(run_dir / "metrics.jsonl", "a")
+        path = run_dir / "metrics.jsonl"
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step] \
+            if resume_step is not None and path.exists() else []
+        path.write_text("".join(line + "\n" for line in kept))
+        self.history = [json.loads(line) for line in kept]
+        self._file = open(path, "a")
+        self._tensorboard = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
         self._wandb = None
         if cfg.wandb.enabled:
             import wandb
             self._wandb = wandb.init(project=cfg.wandb.project, name=run_name, mode=cfg.wandb.mode,
-                                     dir=str(run_dir), config=OmegaConf.to_container(resolved, resolve=True))
+                                     dir=str(run_dir), config=OmegaConf.to_container(resolved, resolve=True),
+                                     resume="allow")
 
     def log(self, step: int, metrics: dict):
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
+        self.history.append({"step": step, **metrics})
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                self._tensorboard.add_scalar(key, value, step)
+            self._tensorboard.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
 
     def close(self):
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self.cfg.plots and self.history:
+            save_plots(self.history, self.run_dir / "plots")
 
 
-def console_line(step: int, num_steps: int, m: dict) -> str:
-    parts = [f"step {step:>3}/{num_steps}"]
+PLOTTED = ["train/reward", "val/reward", "train/accuracy", "val/accuracy", "train/entropy", "train/kl",
+           "train/grad_norm", "train/response_length", "refit/logprob_abs_error_mean", "timing/step"]
+
+
+def save_plots(history: list[dict], out_dir: Path) -> list[Path]:
+    """One PNG per key metric (those present), plus reward.png with train and val reward."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def series(key):
+        points = [(m["step"], m[key]) for m in history if key in m]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for key in ("train/reward", "val/reward"):
+        axis.plot(*series(key), marker="o" if key.startswith("val") else None, label=key)
+    axis.set_xlabel("step")
+    axis.legend()
+    figure.savefig(out_dir / "reward.png", dpi=100)
+    plt.close(figure)
+    written.append(out_dir / "reward.png")
+    for key in PLOTTED:
+        steps, values = series(key)
+        if not steps:
+            continue
+        figure, axis = plt.subplots(figsize=(6, 4))
+        axis.plot(steps, values)
+        axis.set_title(key)
+        axis.set_xlabel("step")
+        path = out_dir / (key.replace("/", "_") + ".png")
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def progress(step: int, num_steps: int, seconds_per_step: float, width: int = 20) -> str:
+    done = int(width * step / num_steps)
+    eta = int(seconds_per_step * (num_steps - step))
+    return f"[{'#' * done}{'.' * (width - done)}] {100 * step // num_steps:3d}% eta {eta // 60}m{eta % 60:02d}s"
+
+
+def console_line(step: int, num_steps: int, m: dict, seconds_per_step: float) -> str:
+    parts = [f"step {step:>3}/{num_steps} {progress(step, num_steps, seconds_per_step)}"]
     for key, label, fmt in [("train/reward", "reward", ".3f"), ("train/accuracy", "acc", ".3f"),
                             ("val/accuracy", "val_acc", ".3f"), ("val/reward", "val_reward", ".3f"),
                             ("train/turns", "turns", ".2f"), ("env/failures", "env_fail", "d"),

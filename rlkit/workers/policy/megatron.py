@@ -87,12 +87,13 @@ class MegatronPolicyWorker:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
 
-    def init_reference(self):
-        """Freeze a copy of the current weights as the KL reference policy."""
+    def init_reference(self, hf_dir: str):
+        """Load the frozen KL reference policy from an HF checkpoint (the run's starting weights,
+        so a resumed run keeps the same anchor)."""
         self.reference = self.bridge.build(bf16=self.bf16, wrap_with_ddp=False)
-        for ref_chunk, chunk in zip(self.reference, self.model):
-            ref_chunk.load_state_dict(chunk.module.state_dict())
-            ref_chunk.requires_grad_(False)
+        self.bridge.load_hf_weights(self.reference, hf_dir)
+        for chunk in self.reference:
+            chunk.requires_grad_(False)
 
     # ---- forward / backward ------------------------------------------------------------
     def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -262,6 +263,67 @@ class MegatronPolicyWorker:
         if self.rank == 0 and getattr(self, "_refit_group", None) is not None:
             self._refit_group.synchronize()
         self._exported, self._buffers = None, [None, None]
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def _inner_model(self):
+        module = self.model[0]
+        while hasattr(module, "module"):  # DDP, Float16Module
+            module = module.module
+        return module
+
+    def _optimizer_ready(self):
+        if self.optimizer is None:
+            self.optimizer = self._build_optimizer(self.lr)
+        return self.optimizer
+
+    def save_checkpoint(self, ckpt_dir: str, save_format: str):
+        """Weights, optimizer state and this rank's RNG into ckpt_dir. Collective.
+        dist: Megatron distributed checkpoint (reshardable to another TP/PP);
+        hf: weights through the bridge (loadable by transformers) + per-rank optimizer state."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        policy_dir = os.path.join(ckpt_dir, "policy")
+        optimizer = self._optimizer_ready()
+        if self.rank == 0:
+            os.makedirs(os.path.join(ckpt_dir, "rng"), exist_ok=True)
+            os.makedirs(policy_dir, exist_ok=True)
+        dist.barrier()
+        if save_format == "dist":
+            model_state = self._inner_model().sharded_state_dict()
+            dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state)},
+                                    policy_dir)
+        else:
+            self.bridge.save_hf_weights(self.model, os.path.join(policy_dir, "hf"))
+            torch.save(optimizer.state_dict(), os.path.join(policy_dir, f"optimizer_rank{self.rank}.pt"))
+        torch.save({"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
+                    "lr": self.lr}, os.path.join(ckpt_dir, "rng", f"rank_{self.rank}.pt"))
+        dist.barrier()
+
+    def load_checkpoint(self, ckpt_dir: str, save_format: str):
+        """Inverse of save_checkpoint. A dist checkpoint loads into any TP/PP layout."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        policy_dir = os.path.join(ckpt_dir, "policy")
+        optimizer = self._optimizer_ready()
+        if save_format == "dist":
+            model_state = self._inner_model().sharded_state_dict()
+            loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer.sharded_state_dict(
+                model_state, is_loading=True)}, policy_dir)
+            self._inner_model().load_state_dict(loaded["model"])
+            optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            self.bridge.load_hf_weights(self.model, os.path.join(policy_dir, "hf"))
+            optimizer.load_state_dict(torch.load(os.path.join(policy_dir, f"optimizer_rank{self.rank}.pt"),
+                                                 weights_only=False))
+        rng_file = os.path.join(ckpt_dir, "rng", f"rank_{self.rank}.pt")
+        if os.path.exists(rng_file):  # absent when resuming onto more ranks than were saved
+            rng = torch.load(rng_file, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            get_cuda_rng_tracker().set_states(rng["tracker"])
+            self.set_learning_rate(rng["lr"])
+        dist.barrier()
 
     def export_hf_weights(self) -> dict[str, torch.Tensor] | None:
         """All HF-named weights on rank 0 (tests and verification). Collective."""

@@ -1,0 +1,93 @@
+"""Checkpoints: everything a resume needs, written atomically.
+
+Layout of <run_dir>/checkpoints/step_000042/:
+  policy/            weights + optimizer state (format: checkpoint.save_format), written by the
+                     policy workers themselves
+  rng/rank_<r>.pt    each policy rank's RNG states
+  controller.pt      step, prompt-stream position, weights-stale flag
+  config.yaml        the resolved config of the run
+A checkpoint is written into step_N.tmp-<pid> and renamed when complete, so a directory named
+step_N is always whole; leftovers of a killed write are never read and are removed.
+"""
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlkit.config.schema import CheckpointConfig
+
+_COMPLETE = re.compile(r"^step_(\d{6})$")
+
+
+class CheckpointManager:
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path):
+        self.cfg = cfg
+        self.root = Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"
+
+    def complete(self) -> list[Path]:
+        """Whole checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _COMPLETE.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def to_resume(self) -> Path | None:
+        """The checkpoint checkpoint.resume asks for: auto = newest complete one (None if none),
+        none = never, otherwise a path."""
+        if self.cfg.resume == "none":
+            return None
+        if self.cfg.resume == "auto":
+            found = self.complete()
+            return found[-1] if found else None
+        path = Path(self.cfg.resume)
+        if not _COMPLETE.match(path.name) or not path.is_dir():
+            raise FileNotFoundError(f"checkpoint.resume={self.cfg.resume}: not a complete checkpoint directory "
+                                    f"(step_NNNNNN); use auto, none, or such a directory")
+        return path
+
+    def save(self, step: int, write_policy, controller_state: dict, resolved: DictConfig) -> Path:
+        """write_policy(dir) writes the policy's part (weights, optimizer, RNG) into dir."""
+        final = self.root / f"step_{step:06d}"
+        tmp = self.root / f"{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_policy(str(tmp))
+        torch.save(controller_state, tmp / "controller.pt")
+        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        if final.exists():  # a resumed run re-reaching a step it had already saved
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self._prune()
+        return final
+
+    def _prune(self):
+        for stale in [p for p in self.root.iterdir() if ".tmp-" in p.name]:
+            shutil.rmtree(stale, ignore_errors=True)
+        for old in self.complete()[:-self.cfg.keep_last] if self.cfg.keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def controller_state(path: Path) -> dict:
+        return torch.load(path / "controller.pt", weights_only=False)
+
+
+def export_hf(checkpoint_dir: Path, out_dir: Path) -> Path:
+    """`rlkit convert`: HF weights (with config and tokenizer) from a checkpoint of either format.
+    The policy is rebuilt as the run had it (its saved config), loads the checkpoint and writes
+    through the bridge; no offline converter."""
+    from rlkit.cluster.setup import start_workers
+    from rlkit.config.load import to_typed
+    from rlkit.models.resolve import resolve_model_dir
+
+    cfg = to_typed(OmegaConf.load(checkpoint_dir / "config.yaml"))
+    workers = start_workers(cfg, str(resolve_model_dir(cfg)), with_generation=False)
+    try:
+        workers.policy.call("load_checkpoint", str(checkpoint_dir), cfg.checkpoint.save_format)
+        workers.policy.call("save_hf", str(out_dir))
+    finally:
+        workers.shutdown()
+    return out_dir

@@ -1,0 +1,152 @@
+"""Checkpoints: a run killed with SIGKILL at any moment resumes to exactly the metrics of an
+uninterrupted run; dist checkpoints load into another TP layout; HF export; a dead worker is a
+clear error naming it and the step, and the last checkpoint still resumes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlkit.algorithms.grpo import run_grpo
+from rlkit.algorithms.losses import batch_totals
+from rlkit.cluster.setup import start_workers
+from rlkit.cluster.worker_group import WorkerError
+from rlkit.data.batch import Batch
+
+pytestmark = pytest.mark.integration
+RUN = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3", "algorithm.prompts_per_step=8",
+       "policy.train_global_batch_size=64", "algorithm.warm_start.sft_steps=4", "algorithm.kl_coef=0.01"]
+
+
+def compared(metrics_file) -> dict[int, dict]:
+    """Per step, every metric except wall-clock timings (which no two runs share)."""
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("timing/")
+                        and k not in ("refit/seconds", "refit/gbytes_per_s", "refit/buckets")} for r in rows}
+
+
+def train_command(out_dir, cache_dir, *extra):
+    return [sys.executable, "-m", "rlkit.cli", "train", "--config-name", "grpo_tiny_cpu", *RUN,
+            f"run.output_dir={out_dir}", f"run.cache_dir={cache_dir}", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    done = subprocess.run(train_command(out, cache_dir), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return compared(out / "grpo_tiny_cpu" / "metrics.jsonl")
+
+
+def kill_when(process, condition, timeout_s=300):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert process.poll() is None, "the run ended before the kill point"
+        assert time.monotonic() < deadline, "kill point never reached"
+        time.sleep(0.005)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def steps_logged(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    return max((json.loads(line)["step"] for line in path.read_text().splitlines()), default=-1) \
+        if path.exists() else -1
+
+
+@pytest.mark.parametrize("kill_point", ["after_step_1", "after_step_3", "while_checkpointing", "after_step_5"])
+def test_sigkill_then_resume_matches_uninterrupted(reference_run, tmp_path, cache_dir, kill_point):
+    run_dir = tmp_path / "grpo_tiny_cpu"
+    checkpoints = run_dir / "checkpoints"
+    conditions = {
+        "after_step_1": lambda: steps_logged(run_dir) >= 1,
+        "after_step_3": lambda: steps_logged(run_dir) >= 3,
+        "after_step_5": lambda: steps_logged(run_dir) >= 5,
+        # a checkpoint directory that is still being written
+        "while_checkpointing": lambda: checkpoints.is_dir() and any(".tmp-" in p.name for p in checkpoints.iterdir()),
+    }
+    # the run is its own process group: SIGKILL takes the driver and the local Ray cluster it started
+    process = subprocess.Popen(train_command(tmp_path, cache_dir), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    kill_when(process, conditions[kill_point])
+    resumed = subprocess.run(train_command(tmp_path, cache_dir), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert compared(run_dir / "metrics.jsonl") == reference_run
+    assert not any(".tmp-" in p.name for p in checkpoints.iterdir())  # the interrupted write was discarded
+    assert [p.name for p in sorted(checkpoints.iterdir())] == ["step_000004", "step_000006"]  # keep_last 2
+
+
+def test_dist_checkpoint_loads_into_another_tensor_parallel_size(ray_cluster, make_cfg, tiny_qwen2, tmp_path):
+    batch = Batch({"input_ids": torch.randint(0, 300, (8, 10), generator=torch.Generator().manual_seed(1))})
+    saved = {}
+    for name, layout in [("tp1", ["policy.num_workers=2"]),
+                         ("tp2", ["policy.num_workers=2", "policy.tensor_parallel_size=2"])]:
+        cfg, _ = make_cfg(*layout, "policy.micro_batch_size=4")
+        workers = start_workers(cfg, str(tiny_qwen2), with_generation=False)
+        try:
+            if name == "tp1":
+                mask = torch.ones(8, 10)
+                workers.policy.train(batch.with_fields(loss_mask=mask), batch_totals(mask), "sft")
+                workers.policy.call("save_checkpoint", str(tmp_path), "dist")
+            else:
+                workers.policy.call("load_checkpoint", str(tmp_path), "dist")
+            saved[name] = workers.policy.logprobs(batch)
+        finally:
+            workers.shutdown()
+    assert (saved["tp1"] - saved["tp2"]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("save_format", ["dist", "hf"])
+def test_convert_exports_hf_weights(cache_dir, tmp_path, save_format):
+    run = subprocess.run(train_command(tmp_path, cache_dir, "algorithm.num_steps=2", "algorithm.kl_coef=0.0",
+                                       f"checkpoint.save_format={save_format}"),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    checkpoint = tmp_path / "grpo_tiny_cpu" / "checkpoints" / "step_000002"
+    out = tmp_path / "exported"
+    convert = subprocess.run([sys.executable, "-m", "rlkit.cli", "convert", str(checkpoint), str(out)],
+                             capture_output=True, text=True, timeout=600)
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_cfg, tmp_path):
+    cfg, resolved = make_cfg("algorithm.num_steps=40", "checkpoint.every=1", "algorithm.val_every=100",
+                             "algorithm.prompts_per_step=8", "policy.train_global_batch_size=64",
+                             "cluster.call_timeout_s=60", "cluster.collective_timeout_s=60",
+                             f"run.output_dir={tmp_path}")
+    run_dir = tmp_path / cfg.run.name
+
+    def kill_a_policy_worker():
+        while steps_logged(run_dir) < 2:
+            time.sleep(0.05)
+        # this test's own cluster: its live policy actors, by process id
+        actors = ray._private.state.actors().values()
+        victim = next(a["Pid"] for a in actors if a["ActorClassName"] == "MegatronPolicyWorker"
+                      and a["State"] == "ALIVE")
+        os.kill(victim, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_a_policy_worker, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as error:
+        run_grpo(cfg, resolved)
+    message = str(error.value)
+    assert message.startswith("step ") and "policy worker" in message and "died" in message
+    assert time.monotonic() - start < 120
+    # the last complete checkpoint is intact: the same run resumes from it and finishes
+    cfg, resolved = make_cfg("algorithm.num_steps=10", "checkpoint.every=1", "algorithm.val_every=100",
+                             "algorithm.prompts_per_step=8", "policy.train_global_batch_size=64",
+                             f"run.output_dir={tmp_path}")
+    history = run_grpo(cfg, resolved).history
+    assert [m["step"] for m in history] == list(range(11))  # step 0 (validation) through 10, once each
+    assert ray.is_initialized()
