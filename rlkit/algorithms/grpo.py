@@ -170,6 +170,7 @@ def run_grpo(cfg: RootConfig, resolved: DictConfig) -> GRPOResult:
             cached_warm_start(workers.policy, warm_dir, lambda: sft_steps(
                 workers.policy, tokenizer, train_set, w.sft_steps, w.batch_size, w.lr, cfg.run.seed,
                 minibatch_size=w.batch_size))
+            workers.policy.call("reset_optimizer")
             reference_dir = warm_dir
         envs = EnvGroup(cfg.env, cfg.env_runner)
         grpo = GRPO(cfg, workers, tokenizer, envs, reference_dir)

@@ -77,6 +77,11 @@ class MegatronPolicyWorker:
                 "pp": m.get_pipeline_model_parallel_rank(), "dp": m.get_data_parallel_rank(),
                 "is_output": m.get_tensor_model_parallel_rank() == 0 and m.is_pipeline_last_stage()}
 
+    def reset_optimizer(self):
+        """Drop optimizer state (rebuilt fresh at the next train step), e.g. between a warm start
+        and RL, so a run that just did the warm start and one that loaded it from cache agree."""
+        self.optimizer = None
+
     def set_temperature(self, temperature: float):
         """Logprobs are computed on logits / temperature, exactly as the sampler saw them."""
         self.temperature = temperature
