@@ -324,7 +324,7 @@ def test_cli_cfg_job_prints_resolved_yaml(capsys):
     out, _ = capsys.readouterr()
     assert code == 0
     printed = yaml.safe_load(out)
-    assert set(printed) == {"run", "cluster", "policy", "generation", "refit", "algorithm", "env", "env_runner", "data", "logger"}
+    assert set(printed) == {"run", "cluster", "policy", "generation", "refit", "algorithm", "env", "env_runner", "data", "logger", "checkpoint"}
     assert printed["policy"]["micro_batch_size"] == 32
     assert printed["policy"]["model_path"] == "tiny://qwen2"
     assert printed["run"]["name"] == RECIPE and printed["algorithm"]["warm_start"]["sft_steps"] > 0
