@@ -69,19 +69,19 @@ class GRPO:
     def encode(self, rows: list[dict]) -> list[list[int]]:
         return [self.tokenizer(r["prompt"])["input_ids"] for r in rows]
 
-    def episodes(self, rows: list[dict], params: SamplingParams) -> Rollout:
-        """Generation and environment turns until every episode is done (timed as one phase:
-        in multi-turn rollouts the two interleave)."""
-        return run_episodes(rows, self.tokenizer, self.generation, self.envs, params, self.cfg.env_runner)
+    def episodes(self, rows: list[dict], params: SamplingParams, timer: PhaseTimer | None = None) -> Rollout:
+        """Generation and environment turns until every episode is done; timer accumulates the
+        generate and reward phases over the turns."""
+        return run_episodes(rows, self.tokenizer, self.generation, self.envs, params, self.cfg.env_runner, timer)
 
     def step(self, rows: list[dict], step: int) -> dict:
         a, timer = self.cfg.algorithm, PhaseTimer()
         with timer("step"):
             with timer("refit"):
                 refit_metrics = self.refit()
-            with timer("rollout"):
-                sampling = SamplingParams(**{**self.sampling.__dict__, "seed": self.sampling.seed + step})
-                episodes = self.episodes([r for r in rows for _ in range(a.group_size)], sampling)
+            sampling = SamplingParams(**{**self.sampling.__dict__, "seed": self.sampling.seed + step})
+            episodes = self.episodes([r for r in rows for _ in range(a.group_size)], sampling, timer)
+            with timer("generate"):
                 self.generation.call("sleep")  # colocated: give the memory back to the policy
             rewards = episodes.rewards
             rollout = episodes.batch.with_fields(advantages=grpo_advantages(rewards, a.group_size, a.normalize_std))

@@ -12,6 +12,7 @@ from rlkit.cluster.roles import GenerationGroup
 from rlkit.config.schema import EnvRunnerConfig
 from rlkit.data.batch import Batch, right_pad
 from rlkit.envs.runner import EnvGroup
+from rlkit.observability.metrics import PhaseTimer
 from rlkit.workers.generation.base import SamplingParams
 
 
@@ -38,7 +39,9 @@ class Rollout:
 
 
 def run_episodes(rows: list[dict], tokenizer, generation: GenerationGroup, envs: EnvGroup,
-                 params: SamplingParams, cfg: EnvRunnerConfig) -> Rollout:
+                 params: SamplingParams, cfg: EnvRunnerConfig, timer: PhaseTimer | None = None) -> Rollout:
+    """timer, if given, accumulates the "generate" and "reward" (environment) phases over turns."""
+    timer = timer or PhaseTimer()
     episodes = [Episode(token_ids=(ids := tokenizer(r["prompt"])["input_ids"]), trained=[False] * len(ids),
                         logprobs=[0.0] * len(ids), messages=[{"role": "user", "content": r["prompt"]}],
                         metadata={k: v for k, v in r.items() if k != "prompt"}) for r in rows]
@@ -48,9 +51,10 @@ def run_episodes(rows: list[dict], tokenizer, generation: GenerationGroup, envs:
         if not active:
             break
         budget = min(params.max_new_tokens, min(cfg.max_total_tokens - e.generated for e in active))
-        out = generation.generate([e.token_ids for e in active],
-                                  SamplingParams(**{**params.__dict__, "max_new_tokens": max(budget, 1),
-                                                    "seed": params.seed * 100 + turn}))
+        with timer("generate"):
+            out = generation.generate([e.token_ids for e in active],
+                                      SamplingParams(**{**params.__dict__, "max_new_tokens": max(budget, 1),
+                                                        "seed": params.seed * 100 + turn}))
         for episode, ids, lps in zip(active, out.token_ids, out.logprobs):
             episode.token_ids += ids
             episode.trained += [True] * len(ids)
@@ -59,7 +63,8 @@ def run_episodes(rows: list[dict], tokenizer, generation: GenerationGroup, envs:
             episode.turns += 1
             episode.messages.append({"role": "assistant",
                                      "content": tokenizer.decode(ids, skip_special_tokens=True)})
-        steps, counts = envs.step([(e.messages, e.metadata) for e in active])
+        with timer("reward"):
+            steps, counts = envs.step([(e.messages, e.metadata) for e in active])
         for key, value in counts.items():
             failures[key] = failures.get(key, 0) + value
         for episode, step in zip(active, steps):

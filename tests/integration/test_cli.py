@@ -23,7 +23,7 @@ def test_train_command_runs_and_reuses_its_warm_start(tmp_path):
     log = first.stderr
     assert "started a local Ray cluster" in log
     assert "running 2 SFT steps" in log
-    assert "step   1/2 | reward" in log and "step   2/2 | reward" in log and "val_acc" in log
+    assert "step   1/2 [" in log and "step   2/2 [" in log and "| reward" in log and "val_acc" in log
     assert (tmp_path / "out" / "grpo_tiny_cpu" / "metrics.jsonl").is_file()
 
     second = _train(tmp_path)

@@ -122,7 +122,7 @@ def test_readme_custom_environment_runs(tmp_path):
          f"run.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'out'}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, textwrap.shorten(result.stderr[-3000:], 3000)
-    assert "step   2/2 | reward" in result.stderr
+    assert "step   2/2 [" in result.stderr and "| reward" in result.stderr
 
 
 def test_multi_turn_grpo_improves(ray_cluster, cache_dir, tmp_path):

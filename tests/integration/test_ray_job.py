@@ -29,9 +29,13 @@ def ray_head():
     env.pop("RAY_ADDRESS", None)
     gcs_port, dashboard_port = free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    # every port chosen free, so this cluster never collides with another one on the machine
+    agent_ports = [f"--{flag}={free_port()}" for flag in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
+        "ray-client-server-port", "node-manager-port", "object-manager-port")]
     head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                              f"--port={gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-                             "--num-cpus=4", f"--temp-dir={temp_dir}"],
+                             *agent_ports, "--num-cpus=4", f"--temp-dir={temp_dir}"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard_port}"
     try:
@@ -53,12 +57,15 @@ def ray_head():
 
 def test_ray_job_submit_runs_a_recipe(ray_head, tmp_path):
     address, env = ray_head
-    submitted = subprocess.run(
-        [RAY, "job", "submit", "--address", address, "--", sys.executable, "-m", "rlkit.cli", "train",
-         "--config-name", "grpo_tiny_cpu", "algorithm.num_steps=2", "algorithm.val_every=2",
-         "algorithm.warm_start.sft_steps=2", "algorithm.prompts_per_step=8", "policy.train_global_batch_size=64",
-         f"run.output_dir={tmp_path / 'out'}", f"run.cache_dir={tmp_path / 'cache'}"],
-        env=env, capture_output=True, text=True, timeout=600)
+    command = [RAY, "job", "submit", "--address", address, "--", sys.executable, "-m", "rlkit.cli", "train",
+               "--config-name", "grpo_tiny_cpu", "algorithm.num_steps=2", "algorithm.val_every=2",
+               "algorithm.warm_start.sft_steps=2", "algorithm.prompts_per_step=8", "policy.train_global_batch_size=64",
+               f"run.output_dir={tmp_path / 'out'}", f"run.cache_dir={tmp_path / 'cache'}"]
+    for _ in range(30):  # the head's job agent starts a little after its dashboard answers
+        submitted = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        if "No available agent" not in submitted.stderr:
+            break
+        time.sleep(2)
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     job_id = next(line.split("'")[1] for line in submitted.stdout.splitlines() if "submitted successfully" in line)
     logs = subprocess.run([RAY, "job", "logs", "--address", address, job_id], env=env, capture_output=True,
