@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from rlkit.algorithms.advantages import grpo_advantages
 from rlkit.algorithms.losses import ClippedPolicyLossConfig, batch_totals
+from rlkit.algorithms.rollout import Rollout, run_episodes
 from rlkit.algorithms.sft import cached_warm_start, sft_steps
 from rlkit.checkpoint import CheckpointManager
 from rlkit.cluster.setup import Workers, start_workers
@@ -17,7 +18,6 @@ from rlkit.cluster.worker_group import WorkerError
 from rlkit.config.schema import RootConfig
 from rlkit.data.arithmetic import arithmetic_splits
 from rlkit.data.rollout import PromptStream, rollout_batch
-from rlkit.algorithms.rollout import Rollout, run_episodes
 from rlkit.envs.runner import EnvGroup
 from rlkit.models.resolve import cache_key, resolve_model_dir
 from rlkit.observability.metrics import MetricsLogger, PhaseTimer, console_line

@@ -4,6 +4,7 @@ clear error naming it and the step, and the last checkpoint still resumes."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -141,7 +142,11 @@ def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_
     with pytest.raises(WorkerError) as error:
         run_grpo(cfg, resolved)
     message = str(error.value)
-    assert message.startswith("step ") and "policy worker" in message and "died" in message
+    # "died during '<call>'", or, when the kill lands inside a checkpoint write whose forked writer
+    # keeps the dead worker's connection open, "did not finish '<call>' within 60s": both name the
+    # step, the role and the rank, within the configured timeout
+    assert re.match(r"step \d+: policy worker(\(s\))? .*(died during|did not finish)", message), message
+    assert "last complete checkpoint is" in message
     assert time.monotonic() - start < 120
     # the last complete checkpoint is intact: the same run resumes from it and finishes
     cfg, resolved = make_cfg("algorithm.num_steps=10", "checkpoint.every=1", "algorithm.val_every=100",
