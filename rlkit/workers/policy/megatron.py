@@ -208,22 +208,18 @@ class MegatronPolicyWorker:
                 for name, t in self.bridge.export_hf_weights(self.model)]
 
     def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool) -> Iterator[PackedBucket]:
-        """Stream the weights as packed buckets, each yielded as soon as its last tensor has been
-        exported. Collective: every rank iterates the export; only rank 0 yields buckets."""
-        bucket_of = plan.bucket_of()
-        pending: dict[int, dict[str, torch.Tensor]] = {}
-        for name, tensor in self.bridge.export_hf_weights(self.model):
-            if self.rank != 0:
-                continue
-            index = bucket_of[name]
-            pending.setdefault(index, {})[name] = tensor.detach()
-            if len(pending[index]) == len(plan.buckets[index].slots):
-                yield plan.pack(index, pending.pop(index), with_checksum)
-        if pending:
-            raise RuntimeError(f"refit: export ended with incomplete buckets {sorted(pending)}")
+        """The CPU transport's export: every bucket, in plan order, each yielded as soon as it is
+        packed. Collective: every rank iterates the export; only rank 0 yields buckets."""
+        self.begin_export(plan)
+        for _ in plan.buckets:
+            packed = self._pack_next(with_checksum)
+            if self.rank == 0:
+                yield packed
+        self.end_export()
 
-    # Bucket-at-a-time export for the GPU transports: begin_export, then one next_bucket_* call
-    # per bucket on every rank (the export is collective), then end_export.
+    # Bucket-at-a-time export: begin_export, then one bucket per call on every rank (the export is
+    # collective), then end_export. Buckets fill in export order, so bucket k is complete after
+    # its tensors, and the plan is checked against what the bridge actually yields.
     def begin_export(self, plan: RefitPlan):
         self._plan, self._next_bucket = plan, 0
         self._exported = self.bridge.export_hf_weights(self.model)
