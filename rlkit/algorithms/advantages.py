@@ -24,4 +24,97 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
     return torch.where(all_equal, torch.zeros_like(centered), centered).view(-1)
 
 
-ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages}
+def _centered_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """rewards [num_prompts * group_size] minus their group's mean, as [num_prompts, group_size];
+    groups with equal rewards give exactly 0 (no float rounding of the mean)."""
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size} (need group_size >= 2)")
+    grouped = rewards.float().view(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(all_equal, torch.zeros_like(centered), centered)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740).
+
+    rewards: [num_prompts * group_size], the samples of one prompt adjacent.
+    A_i = r_i - mean_{j != i} r_j over the group, computed as G/(G-1) * (r_i - mean(group)),
+    which is the same quantity. Groups with equal rewards get exactly 0.
+    Returns [num_prompts * group_size].
+    """
+    return (_centered_groups(rewards, group_size) * (group_size / (group_size - 1))).view(-1)
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the entries where mask is 1, 0 elsewhere (PPO advantages).
+
+    values, mask: same shape, mask 0/1. std is the unbiased sample std over the masked entries.
+    Masked entries that are all equal (including a single one) give exactly 0, so float rounding
+    of the mean is not blown up to unit scale; no masked entries give all zeros.
+    Unmasked entries may hold inf/nan. Returns float32, same shape as values.
+    """
+    keep = mask.bool()
+    x = torch.where(keep, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))
+    count = keep.sum()
+    mean = x.sum() / count.clamp(min=1)
+    centered = torch.where(keep, x - mean, torch.zeros_like(x))
+    std = (centered.square().sum() / (count - 1).clamp(min=1)).sqrt()
+    lowest = torch.where(keep, x, torch.full_like(x, float("inf"))).amin()
+    highest = torch.where(keep, x, torch.full_like(x, float("-inf"))).amax()
+    all_equal = (lowest == highest) | (count == 0)
+    return torch.where(all_equal, torch.zeros_like(x), centered / (std + eps))
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float,
+                            group_size: int | None = None, eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262): token-level returns, whitened over the batch.
+
+    rewards: [B] scalar reward per sample; mask: [B, S] response tokens (token-aligned, may have
+    holes for multi-turn observation tokens); kl: [B, S] per-token KL estimate to the reference
+    policy (unmasked entries may hold inf/nan), or None for no KL penalty.
+    Token reward = -kl_coef * kl_t on masked tokens, plus the sample's reward at its last masked
+    token. A_t = sum of token rewards at masked positions >= t (undiscounted return-to-go), then
+    whitened over all masked tokens of the batch (see whiten; fewer than 2 masked tokens give 0).
+    group_size (REINFORCE++-baseline) first subtracts each group's mean reward; a zero-length
+    sample still counts in its group's mean. Rows with no masked token get 0. Returns [B, S] float32.
+    """
+    keep = mask.bool()
+    scalar = rewards.float() if group_size is None else _centered_groups(rewards, group_size).view(-1)
+    kl_rewards = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
+    if kl is not None:
+        kl_rewards = torch.where(keep, -kl_coef * kl.float(), kl_rewards)
+    kl_returns = kl_rewards.flip(1).cumsum(dim=1).flip(1)  # unmasked positions add 0
+    # the last masked token is at or after every masked t, so every return-to-go holds the reward once
+    return whiten(kl_returns + scalar.unsqueeze(1), mask, eps)
+
+
+def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                   lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438) for PPO.
+
+    token_rewards, values, mask: [B, S], token-aligned. Only masked positions are steps, in order;
+    unmasked ones (padding, multi-turn observation tokens) are skipped, their rewards and values
+    ignored (may hold inf/nan). For masked t with next masked t' (none: terminal, V = 0):
+    delta_t = r_t + gamma * V_t' - V_t,  A_t = delta_t + gamma * lam * A_t'.
+    Returns (advantages, returns = A + V), both [B, S] float32 and 0 at unmasked positions.
+    """
+    keep = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=keep.device)
+    rewards = torch.where(keep, token_rewards.float(), zero)
+    values = torch.where(keep, values.float(), zero)
+    next_value = torch.zeros(keep.shape[0], dtype=torch.float32, device=keep.device)
+    next_advantage = torch.zeros_like(next_value)
+    columns = []  # advantages from the last position back
+    for t in reversed(range(keep.shape[1])):
+        step = keep[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        columns.append(torch.where(step, advantage, zero))
+        next_value = torch.where(step, values[:, t], next_value)
+        next_advantage = torch.where(step, advantage, next_advantage)
+    advantages = torch.stack(columns[::-1], dim=1)
+    return advantages, torch.where(keep, advantages + values, zero)
+
+
+ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages, "rloo": rloo_advantages}

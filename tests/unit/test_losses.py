@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from rlkit.algorithms.losses import (LOSS_AGGREGATIONS, BatchTotals, ClippedPolicyLossConfig, aggregate,
-                                     batch_totals, clipped_policy_loss, entropy_from_logits, kl_k3, nll_loss)
+from rlkit.algorithms.losses import (DPO_LOSS_TYPES, LOSS_AGGREGATIONS, BatchTotals, ClippedPolicyLossConfig,
+                                     DPOLossConfig, aggregate, batch_totals, clipped_policy_loss, dpo_loss,
+                                     entropy_from_logits, kl_k3, nll_loss, sequence_logprobs, value_loss)
 
 
 def cfg(aggregation="token-mean", clip_low=0.2, clip_high=0.28, kl_coef=0.0):
@@ -245,3 +246,205 @@ def test_entropy_hand_values_and_dtype():
     assert entropy_from_logits(torch.zeros(8)).item() == pytest.approx(math.log(8), abs=1e-6)  # uniform
     assert entropy_from_logits(torch.tensor([0.0, -1e4])).item() == pytest.approx(0.0, abs=1e-6)  # one-hot
     assert entropy_from_logits(torch.zeros(2, 4, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+# ---- masks with left padding, holes and empty rows ----------------------------------------------
+
+MASK = torch.tensor([
+    [0, 0, 1, 1, 1, 1, 1, 1],  # prompt, then response to the end
+    [0, 0, 1, 1, 1, 0, 0, 0],  # prompt, response, trailing padding
+    [0, 1, 1, 0, 0, 1, 1, 0],  # multi-turn: observation tokens (a hole) inside the response
+    [0, 0, 0, 0, 0, 0, 0, 0],  # zero-length response
+    [1, 1, 1, 1, 1, 1, 1, 1],
+    [0, 0, 0, 1, 0, 0, 0, 0],  # single token
+], dtype=torch.float32)
+
+
+def with_garbage(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """values with nan / inf / -inf at the unmasked positions; results must not change."""
+    garbage = torch.tensor([float("nan"), float("inf"), float("-inf")]).repeat(values.numel() // 3 + 1)
+    return torch.where(mask.bool(), values, garbage[:values.numel()].view_as(values))
+
+
+def ref_logsigmoid(x):
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+
+# ---- sequence logprobs ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("average", [False, True])
+def test_sequence_logprobs_matches_loop_reference(average):
+    token_logprobs = -3 * torch.rand(MASK.shape, generator=torch.Generator().manual_seed(7))
+    leaf = with_garbage(token_logprobs, MASK).requires_grad_(True)
+    actual = sequence_logprobs(leaf, MASK, average)
+    expected = []
+    for row, row_mask in zip(token_logprobs.tolist(), MASK.tolist()):
+        total, count = 0.0, 0
+        for lp, m in zip(row, row_mask):
+            if m:
+                total += lp
+                count += 1
+        expected.append(total / count if average and count else total)
+    assert actual.shape == (MASK.shape[0],)
+    torch.testing.assert_close(actual, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    assert actual[3].item() == 0.0  # zero-length
+    actual.sum().backward()
+    lengths = MASK.sum(dim=1, keepdim=True).clamp(min=1)
+    torch.testing.assert_close(leaf.grad, MASK / lengths if average else MASK)  # padding gets exactly 0
+
+
+# ---- DPO --------------------------------------------------------------------------------------
+
+def dpo_cfg(loss_type="sigmoid", beta=0.1, label_smoothing=0.0):
+    return DPOLossConfig(beta=beta, label_smoothing=label_smoothing, loss_type=loss_type, sft_weight=0.0)
+
+
+def ref_dpo(chosen, rejected, ref_chosen, ref_rejected, c):
+    """One pair: (loss, reward_chosen, reward_rejected)."""
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+    if c.loss_type == "sigmoid":
+        eps = c.label_smoothing
+        loss = -(1 - eps) * ref_logsigmoid(c.beta * h) - eps * ref_logsigmoid(-c.beta * h)
+    else:
+        loss = (h - 1 / (2 * c.beta)) ** 2
+    return loss, c.beta * (chosen - ref_chosen), c.beta * (rejected - ref_rejected)
+
+
+def random_pairs(pairs=7, seed=8):
+    gen = torch.Generator().manual_seed(seed)
+    return [-40 * torch.rand(pairs, generator=gen) for _ in range(4)]  # sequence logprobs
+
+
+@pytest.mark.parametrize("loss_type,label_smoothing,beta", [("sigmoid", 0.0, 0.1), ("sigmoid", 0.2, 0.5),
+                                                            ("ipo", 0.0, 0.1), ("ipo", 0.0, 2.0)])
+def test_dpo_matches_loop_reference(loss_type, label_smoothing, beta):
+    chosen, rejected, ref_chosen, ref_rejected = random_pairs()
+    c = dpo_cfg(loss_type, beta, label_smoothing)
+    loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, c)
+    assert loss.shape == (7,)
+    for p in range(7):
+        expected, reward_chosen, reward_rejected = ref_dpo(chosen[p].item(), rejected[p].item(), ref_chosen[p].item(),
+                                                           ref_rejected[p].item(), c)
+        assert loss[p].item() == pytest.approx(expected, rel=1e-4, abs=1e-5)
+        assert metrics["reward_chosen"][p].item() == pytest.approx(reward_chosen, rel=1e-5, abs=1e-5)
+        assert metrics["reward_rejected"][p].item() == pytest.approx(reward_rejected, rel=1e-5, abs=1e-5)
+        margin = metrics["reward_margin"][p].item()
+        assert margin == pytest.approx(reward_chosen - reward_rejected, rel=1e-4, abs=1e-5)
+        assert metrics["accuracy"][p].item() == (1.0 if margin > 0 else 0.0)
+    assert 0 < metrics["accuracy"].sum().item() < 7  # both outcomes exercised
+
+
+def test_dpo_without_smoothing_is_negative_logsigmoid():
+    chosen, rejected, ref_chosen, ref_rejected = random_pairs(seed=9)
+    loss, _ = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo_cfg(beta=0.3))
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+    torch.testing.assert_close(loss, -torch.nn.functional.logsigmoid(0.3 * h))
+
+
+def test_dpo_hand_values():
+    zero, one = torch.zeros(1), torch.ones(1)
+    # h = 0: sigmoid gives log 2 whatever the smoothing; IPO gives (1 / (2 beta))^2
+    for smoothing in (0.0, 0.3):
+        loss, metrics = dpo_loss(zero, zero, zero, zero, dpo_cfg(label_smoothing=smoothing))
+        assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
+        assert metrics["accuracy"].item() == 0.0  # a tie is not a win
+    assert dpo_loss(zero, zero, zero, zero, dpo_cfg("ipo", beta=0.5))[0].item() == pytest.approx(1.0)
+    # IPO at its target h = 1 / (2 beta) = 1 has zero loss
+    assert dpo_loss(one, zero, zero, zero, dpo_cfg("ipo", beta=0.5))[0].item() == 0.0
+
+
+def test_dpo_is_stable_for_large_margins():
+    big = torch.tensor([1e4, -1e4], requires_grad=True)
+    zero = torch.zeros(2)
+    loss, _ = dpo_loss(big, zero, zero, zero, dpo_cfg(beta=1.0, label_smoothing=0.1))
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(big.grad).all()
+    assert loss[0].item() == pytest.approx(0.1 * 1e4, rel=1e-4)  # eps * beta * h for the flipped label
+    assert loss[1].item() == pytest.approx(0.9 * 1e4, rel=1e-4)
+
+
+def test_dpo_metrics_are_detached():
+    chosen, rejected, ref_chosen, ref_rejected = random_pairs()
+    _, metrics = dpo_loss(chosen.requires_grad_(True), rejected, ref_chosen, ref_rejected, dpo_cfg())
+    assert set(metrics) == {"reward_chosen", "reward_rejected", "reward_margin", "accuracy"}
+    assert not any(m.requires_grad for m in metrics.values())
+
+
+def test_dpo_unknown_loss_type_names_the_choices():
+    zero = torch.zeros(1)
+    with pytest.raises(ValueError) as info:
+        dpo_loss(zero, zero, zero, zero, dpo_cfg("hinge"))
+    for choice in DPO_LOSS_TYPES:
+        assert choice in str(info.value)
+    assert "'hinge'" in str(info.value)
+
+
+# ---- value loss -------------------------------------------------------------------------------
+
+def ref_value_token(v, old, ret, clip):
+    """One token: (loss, clipped term strictly larger?)."""
+    error = (v - ret) ** 2
+    if clip <= 0:
+        return 0.5 * error, False
+    clipped_error = (old + min(max(v - old, -clip), clip) - ret) ** 2
+    return 0.5 * max(error, clipped_error), clipped_error > error
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("clip", [0.2, 0.0, -1.0])
+def test_value_loss_matches_loop_reference(aggregation, clip):
+    gen = torch.Generator().manual_seed(10)
+    values = torch.randn(MASK.shape, generator=gen)
+    old = values + 0.3 * torch.randn(MASK.shape, generator=gen)
+    returns = torch.randn(MASK.shape, generator=gen)
+    loss, sums = value_loss(with_garbage(values, MASK), with_garbage(old, MASK), with_garbage(returns, MASK), MASK,
+                            clip, aggregation, batch_totals(MASK))
+    per_token, clip_count, error_sum = [], 0.0, 0.0
+    for b in range(MASK.shape[0]):
+        row = []
+        for t in range(MASK.shape[1]):
+            v, o, r, m = values[b, t].item(), old[b, t].item(), returns[b, t].item(), MASK[b, t].item()
+            value, was_clipped = ref_value_token(v, o, r, clip)
+            row.append(value if m else 0.0)
+            clip_count += was_clipped * m
+            error_sum += (v - r) ** 2 * m
+        per_token.append(row)
+    expected = ref_aggregate(per_token, MASK.tolist(), aggregation, MASK.sum().item(), MASK.shape[0])
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert sums["value_error"].item() == pytest.approx(error_sum, rel=1e-5)
+    if clip > 0:
+        assert sums["value_clipped_tokens"].item() == clip_count > 0
+    else:
+        assert "value_clipped_tokens" not in sums
+
+
+def test_value_loss_hand_computed_clipping_and_gradient():
+    # clip 0.2, old 0: (V, R) = (0.5, 1): clipped V 0.2 is further from R -> 0.5 * 0.64, no gradient
+    #                   (0.1, 1): inside the clip range -> 0.5 * 0.81
+    #                   (-0.5, 0): clipped V -0.2 is closer to R -> unclipped 0.5 * 0.25
+    values = torch.tensor([[0.5, 0.1, -0.5]], requires_grad=True)
+    returns = torch.tensor([[1.0, 1.0, 0.0]])
+    mask = torch.ones(1, 3)
+    loss, sums = value_loss(values, torch.zeros(1, 3), returns, mask, 0.2, "token-mean", batch_totals(mask))
+    assert loss.item() == pytest.approx((0.32 + 0.405 + 0.125) / 3, abs=1e-6)
+    assert sums["value_clipped_tokens"].item() == 1.0
+    assert sums["value_error"].item() == pytest.approx(0.25 + 0.81 + 0.25, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, -0.9, -0.5]]) / 3)  # d(0.5 (V-R)^2) = V - R
+    # clip <= 0: plain regression, the first token now has a gradient too
+    unclipped, _ = value_loss(values, torch.zeros(1, 3), returns, mask, 0.0, "token-mean", batch_totals(mask))
+    assert unclipped.item() == pytest.approx((0.125 + 0.405 + 0.125) / 3, abs=1e-6)
+
+
+def test_value_loss_padding_does_not_leak_into_gradient():
+    gen = torch.Generator().manual_seed(11)
+    values, old, returns = (torch.randn(MASK.shape, generator=gen) for _ in range(3))
+    clean = values.clone().requires_grad_(True)
+    dirty = with_garbage(values, MASK).requires_grad_(True)
+    clean_loss, _ = value_loss(clean, old, returns, MASK, 0.2, "seq-mean-token-mean", batch_totals(MASK))
+    dirty_loss, _ = value_loss(dirty, with_garbage(old, MASK), with_garbage(returns, MASK), MASK, 0.2,
+                               "seq-mean-token-mean", batch_totals(MASK))
+    (clean_loss + dirty_loss).backward()
+    assert dirty_loss.item() == clean_loss.item()
+    torch.testing.assert_close(dirty.grad, clean.grad)
+    assert (dirty.grad[~MASK.bool()] == 0).all()
