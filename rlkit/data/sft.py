@@ -1,0 +1,154 @@
+"""SFT and preference data: rows from files or the hub, tokenized with a loss mask.
+
+A row is either {"prompt": str, "response": str} or {"messages": [{"role", "content"}, ...]};
+preference rows are {"prompt", "chosen", "rejected"}. Tokenizing gives (input_ids, loss_mask),
+two equal-length lists where loss_mask[t] = 1 marks a token the model is trained to produce:
+every assistant message's content plus its end-of-turn marker.
+"""
+
+from pathlib import Path
+
+import datasets
+
+LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def load_rows(source: str, split: str = "train") -> list[dict]:
+    """All rows of a local .json/.jsonl/.parquet file, a local dataset folder, or a hub dataset."""
+    path = Path(source).expanduser()
+    loader = LOCAL_LOADERS.get(path.suffix.lower())
+    looks_local = loader is not None or source.startswith(("/", "./", "../", "~"))
+    if looks_local and not path.exists():
+        raise FileNotFoundError(f"{source}: no such file; check the path (it is read as a local data file)")
+    if path.is_file():
+        if loader is None:
+            raise ValueError(f"{source}: unsupported file type '{path.suffix}'; give a .json, .jsonl or .parquet file")
+        try:
+            dataset = datasets.load_dataset(loader, data_files=str(path), split="train")
+        except Exception as e:
+            raise ValueError(f"{source}: could not be read as {loader} ({type(e).__name__}: {e}); "
+                             f"fix the file so every row is a record with the same fields") from e
+    else:
+        try:
+            dataset = datasets.load_dataset(str(path) if path.is_dir() else source, split=split)
+        except Exception as e:
+            raise ValueError(f"{source}: not a local file, and loading it as a Hugging Face hub dataset "
+                             f"(split '{split}') failed ({type(e).__name__}: {e}); give a local .json, .jsonl "
+                             f"or .parquet file, or run where the hub is reachable") from e
+    if len(dataset) == 0:
+        raise ValueError(f"{source}: has no rows; give a file with at least one row")
+    return dataset.to_list()
+
+
+def tokenize_sft_row(tokenizer, row: dict, where: str) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one SFT row, chat-templated; loss on every assistant turn.
+
+    `where` (e.g. "data.train_path row 12") names the row in error messages.
+    """
+    messages = _row_messages(row, where)
+    trained = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if not trained:
+        raise ValueError(f"{where}: 'messages' has no assistant message to train on; add one")
+    return _chat_tokens(tokenizer, messages, trained, where)
+
+
+def tokenize_preference_row(tokenizer, row: dict, where: str) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(chosen_ids, chosen_mask, rejected_ids, rejected_mask): the prompt as user turn(s) followed by
+    each response as an assistant turn; the mask covers only that final response (+ end-of-turn)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: is a {type(row).__name__}, not a record; give each row prompt, chosen, rejected")
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        prompt_messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt:
+        prompt_messages = _checked_messages(prompt, where, "prompt")
+    else:
+        raise ValueError(f"{where} lacks 'prompt' (a string or a non-empty messages list); "
+                         f"give each row prompt, chosen, rejected")
+    out = []
+    for field in ("chosen", "rejected"):
+        response = row.get(field)
+        if not isinstance(response, str):
+            raise ValueError(f"{where} lacks '{field}' (a string); give each row prompt, chosen, rejected")
+        messages = prompt_messages + [{"role": "assistant", "content": response}]
+        out.extend(_chat_tokens(tokenizer, messages, [len(messages) - 1], where))
+    return tuple(out)
+
+
+def _row_messages(row: dict, where: str) -> list[dict]:
+    """The row as a checked messages list. Missing columns read as None (datasets fills them)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: is a {type(row).__name__}, not a record; give each row prompt+response or messages")
+    if row.get("messages") is not None:
+        return _checked_messages(row["messages"], where, "messages")
+    for field in ("prompt", "response"):
+        if not isinstance(row.get(field), str):
+            raise ValueError(f"{where} lacks '{field}' (a string); give each row prompt+response or messages")
+    return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
+
+
+def _checked_messages(messages, where: str, field: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: '{field}' must be a non-empty list of {{'role', 'content'}} records")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else None
+            raise ValueError(f"{where}: '{field}'[{k}] has role {role!r}; use one of {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: '{field}'[{k}] lacks 'content' (a string); give every message one")
+    if messages[0]["role"] == "assistant":
+        raise ValueError(f"{where}: '{field}'[0] is an assistant message; start with a system or user message")
+    return messages
+
+
+def _chat_tokens(tokenizer, messages: list[dict], trained: list[int], where: str) -> tuple[list[int], list[int]]:
+    """Tokens of the chat-templated conversation, with loss on the assistant messages at `trained`.
+
+    The template is rendered for growing prefixes of the conversation; each trained message k spans
+    from the end of render(messages[:k], add_generation_prompt=True) to the end of
+    render(messages[:k + 1]). The text between consecutive boundaries is tokenized piece by piece,
+    so prompt tokens match what the generation prompt tokenizes to, and a span never shares a token
+    with its neighbours. Within a span, template text after the last special token (e.g. the "\\n"
+    after <|im_end|>) is not trained on.
+    """
+    special_ids = set(tokenizer.all_special_ids)
+    special_ids |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    full = _render(tokenizer, messages, False)
+    boundaries = []  # (character offset, whether the piece ending there is trained)
+    for k in trained:
+        boundaries += [(_render_prefix(tokenizer, messages, k, True, full, where), False),
+                       (_render_prefix(tokenizer, messages, k + 1, False, full, where), True)]
+    boundaries.append((len(full), False))
+    input_ids, loss_mask, start = [], [], 0
+    for end, is_trained in boundaries:
+        if end < start:
+            raise ValueError(_unstable(where, "the generation prompt is longer than the assistant turn it starts"))
+        piece = tokenizer(full[start:end], add_special_tokens=False)["input_ids"] if end > start else []
+        mask = [0] * len(piece)
+        if is_trained:
+            last_special = max((t for t, i in enumerate(piece) if i in special_ids), default=len(piece) - 1)
+            mask[:last_special + 1] = [1] * (last_special + 1)
+        input_ids += piece
+        loss_mask += mask
+        start = end
+    return input_ids, loss_mask
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _render_prefix(tokenizer, messages, count: int, add_generation_prompt: bool, full: str, where: str) -> int:
+    """Length of the rendered first `count` messages, checked to be a prefix of the full rendering."""
+    text = _render(tokenizer, messages[:count], add_generation_prompt)
+    if not full.startswith(text):
+        prompt = " with the generation prompt" if add_generation_prompt else ""
+        why = f"messages[:{count}] rendered{prompt} is not a prefix of the whole conversation"
+        raise ValueError(_unstable(where, why))
+    return len(text)
+
+
+def _unstable(where: str, why: str) -> str:
+    return (f"{where}: the tokenizer's chat template is not prefix-stable ({why}), so assistant tokens cannot be "
+            f"located; use a chat template that renders each turn the same whatever follows it")
