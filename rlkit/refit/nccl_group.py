@@ -25,8 +25,8 @@ class RefitGroup:
         """Broadcast a packed bucket and its checksum on the side stream: the caller may pack the
         next bucket meanwhile. The buffer of bucket k is reused for k+2 only after k is sent."""
         packed_ready = torch.cuda.current_stream().record_event()
-        checksum = torch.tensor([packed.checksum if packed.checksum is not None else -1], dtype=torch.int64,
-                                device=self.device)
+        checksum = torch.tensor([packed.checksum is not None, packed.checksum or 0], dtype=torch.int64,
+                                device=self.device)  # (present?, value)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(packed_ready)
             self.comm.broadcast(packed.buffer, src=0, stream=self.stream)
@@ -41,12 +41,12 @@ class RefitGroup:
 
     def receive(self, bucket: Bucket) -> PackedBucket:
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
-        checksum = torch.empty(1, dtype=torch.int64, device=self.device)
+        checksum = torch.empty(2, dtype=torch.int64, device=self.device)
         stream = torch.cuda.current_stream()
         self.comm.broadcast(buffer, src=0, stream=stream)
         self.comm.broadcast(checksum, src=0, stream=stream)
-        value = int(checksum.item())  # synchronizes
-        return PackedBucket(bucket.index, buffer, None if value == -1 else value)
+        present, value = checksum.tolist()  # synchronizes
+        return PackedBucket(bucket.index, buffer, value if present else None)
 
     def synchronize(self):
         self.stream.synchronize()

@@ -152,4 +152,5 @@ def bucket_checksum(buffer: torch.Tensor) -> int:
     padded = torch.nn.functional.pad(buffer, (0, (-buffer.numel()) % 4))
     words = padded.view(torch.int32).to(torch.int64)
     positions = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
-    return int(words.sum().item()) * 1_000_003 + int((words * positions).sum().item())
+    value = (int(words.sum().item()) * 1_000_003 + int((words * positions).sum().item())) % 2**64
+    return value - 2**64 if value >= 2**63 else value  # a signed 64-bit int, so it fits an int64 tensor
