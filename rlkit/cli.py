@@ -16,12 +16,12 @@ def _train(args) -> int:
     if args.cfg == "job":
         sys.stdout.write(OmegaConf.to_yaml(resolved, resolve=True))
         return 0
-    from rlkit.algorithms.grpo import run_grpo
+    from rlkit.algorithms import run
 
-    result = run_grpo(cfg, resolved)
+    result = run(cfg, resolved)
     first, last = result.history[0], result.history[-1]
-    logging.getLogger("rlkit").info("done: val_reward %.3f -> %.3f; metrics in %s", first["val/reward"],
-                                    last["val/reward"], result.run_dir / "metrics.jsonl")
+    moved = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in first if k.startswith("val/") and k in last)
+    logging.getLogger("rlkit").info("done: %s; metrics in %s", moved, result.run_dir / "metrics.jsonl")
     return 0
 
 

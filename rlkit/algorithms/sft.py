@@ -1,4 +1,4 @@
-"""Supervised steps on (prompt, answer) rows; used as GRPO's warm start."""
+"""Warm starts: a short supervised run before RL or DPO, cached so later runs skip it."""
 
 import logging
 import os
@@ -6,8 +6,11 @@ import shutil
 from pathlib import Path
 
 from rlkit.algorithms.losses import batch_totals
+from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.cluster.roles import PolicyGroup
+from rlkit.config.schema import RootConfig
 from rlkit.data.rollout import PromptStream, supervised_batch
+from rlkit.models.resolve import cache_key
 
 log = logging.getLogger("rlkit")
 
@@ -25,7 +28,7 @@ def sft_steps(policy: PolicyGroup, tokenizer, dataset, steps: int, batch_size: i
         batch = supervised_batch(prompts, targets, tokenizer.pad_token_id)
         loss = 0.0
         for minibatch in batch.split(len(batch) // minibatch_size):
-            loss += policy.train(minibatch, batch_totals(minibatch["loss_mask"]), "sft")["loss"]
+            loss += policy.train(minibatch, batch_totals(minibatch["loss_mask"]), NextTokenNLL())["loss"]
         losses.append(loss / (len(batch) // minibatch_size))
         if step % 10 == 0 or step == steps:
             log.info("warm start SFT step %d/%d: loss %.3f", step, steps, losses[-1])
@@ -41,3 +44,18 @@ def cached_warm_start(policy: PolicyGroup, out_dir: Path, train) -> None:
     policy.call("save_hf", str(tmp))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
+
+
+def warm_start_dir(cfg: RootConfig, model_dir: Path, *data_identity) -> tuple[Path, Path | None]:
+    """(directory the policy starts from, warm-start directory still to be written or None).
+    The cache key covers the model, the warm-start settings, the data section and data_identity
+    (e.g. the data files' sizes and times), so a change to any of them trains a new warm start."""
+    w = cfg.algorithm.warm_start
+    if w.sft_steps == 0:
+        return model_dir, None
+    key = cache_key(str(model_dir), w.sft_steps, w.batch_size, w.lr, cfg.data, cfg.run.seed, *data_identity)
+    warm_dir = Path(cfg.run.cache_dir).resolve() / f"warm-start-{key}"
+    if (warm_dir / "config.json").is_file():
+        log.info("warm start: using the cached SFT checkpoint %s", warm_dir)
+        return warm_dir, None
+    return model_dir, warm_dir

@@ -81,10 +81,27 @@ class ModelBridge:
     def transformer_config(self):
         return self._bridge.config
 
-    def build(self, bf16: bool, wrap_with_ddp: bool, use_distributed_optimizer: bool = False) -> list:
+    def build(self, bf16: bool, wrap_with_ddp: bool, use_distributed_optimizer: bool = False,
+              value_head: bool = False) -> list:
+        """Model chunks of this rank; value_head=True swaps the LM head for ValueHead (a critic)
+        before DDP wraps the model, so DDP and the optimizer see the head's parameters."""
         return self._bridge.get_model(
             bf16=bf16, wrap_with_ddp=wrap_with_ddp, use_cpu_initialization=not torch.cuda.is_available(),
-            ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": use_distributed_optimizer})
+            ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": use_distributed_optimizer},
+            post_model_creation_callbacks=[_attach_value_head] if value_head else [])
+
+    def load_trunk_weights(self, critic_chunks: list, bf16: bool):
+        """Initialise a critic from the HF checkpoint: every weight but the LM head (which the
+        critic replaced). Goes through a temporary LM so the bridge's own name mapping is used."""
+        lm = self.build(bf16=bf16, wrap_with_ddp=False)
+        self.load_hf_weights(lm)
+        for lm_chunk, critic_chunk in zip(lm, critic_chunks):
+            trunk = {k: v for k, v in _unwrap(lm_chunk).state_dict().items() if not k.startswith("output_layer.")}
+            missing, unexpected = _unwrap(critic_chunk).load_state_dict(trunk, strict=False)
+            missing = [k for k in missing if not k.startswith("output_layer.") and not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise RuntimeError(f"critic trunk does not match the policy's: missing {missing[:3]}, "
+                                   f"unexpected {unexpected[:3]}")
 
     def load_hf_weights(self, chunks: list, hf_dir: str | None = None):
         self._bridge.load_weights(chunks, str(hf_dir or self.hf_dir))
@@ -103,3 +120,32 @@ class ModelBridge:
 
     def save_hf_weights(self, chunks: list, out_dir: str):
         self._bridge.save_weights(chunks, str(out_dir))
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar value per position, replicated on every TP rank (its input, the final hidden state,
+    is replicated too, so every rank computes the same gradient). Zero-initialised: the critic
+    starts by predicting 0 and learns the scale of the rewards. Called like Megatron's output
+    layer: (hidden [s, b, h], weight=None, ...) -> ([s, b, 1], None)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        # named weight/bias like the LM head's, which Megatron's checkpointing code expects
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
+
+
+def _attach_value_head(model, pre_process, post_process, config, hf_config):
+    if post_process:
+        model.output_layer = ValueHead(config.hidden_size, config.params_dtype).to(
+            next(model.parameters()).device)
+        model.share_embeddings_and_output_weights = False  # the head no longer reuses the embedding
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):  # DDP, Float16Module
+        chunk = chunk.module
+    return chunk

@@ -1,10 +1,11 @@
 """Checkpoints: everything a resume needs, written atomically.
 
 Layout of <run_dir>/checkpoints/step_000042/:
-  policy/            weights + optimizer state (format: checkpoint.save_format), written by the
-                     policy workers themselves
-  rng/rank_<r>.pt    each policy rank's RNG states
-  controller.pt      step, prompt-stream position, weights-stale flag
+  policy/                 weights + optimizer state (format: checkpoint.save_format), written by
+                          the policy workers themselves
+  critic/                 the same for PPO's critic
+  rng/<model>_rank_<r>.pt each rank's RNG states and learning rate
+  controller.pt           step, data-stream position
   config.yaml        the resolved config of the run
 A checkpoint is written into step_N.tmp-<pid> and renamed when complete, so a directory named
 step_N is always whole; leftovers of a killed write are never read and are removed.
@@ -49,13 +50,13 @@ class CheckpointManager:
                                     f"(step_NNNNNN); use auto, none, or such a directory")
         return path
 
-    def save(self, step: int, write_policy, controller_state: dict, resolved: DictConfig) -> Path:
-        """write_policy(dir) writes the policy's part (weights, optimizer, RNG) into dir."""
+    def save(self, step: int, write_models, controller_state: dict, resolved: DictConfig) -> Path:
+        """write_models(dir) writes the models' part (weights, optimizer, RNG) into dir."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write_policy(str(tmp))
+        write_models(str(tmp))
         torch.save(controller_state, tmp / "controller.pt")
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         if final.exists():  # a resumed run re-reaching a step it had already saved

@@ -4,7 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rlkit.algorithms.losses import BatchTotals, ClippedPolicyLossConfig
+from typing import Callable
+
+from rlkit.algorithms.losses import BatchTotals
 from rlkit.cluster.worker_group import WorkerGroup
 from rlkit.data.batch import Batch
 from rlkit.workers.generation.base import Generations, SamplingParams
@@ -20,7 +22,12 @@ class ParallelLayout:
         return len(self.output_ranks)
 
 
+MODEL_INPUTS = ("input_ids", "position_ids", "segment_ids")  # what a forward pass reads (packing adds the last two)
+
+
 class PolicyGroup:
+    """Megatron workers of one model: the policy, or (CriticGroup) PPO's critic."""
+
     def __init__(self, workers: WorkerGroup):
         self.workers = workers
         coords = workers.call("layout")
@@ -32,16 +39,20 @@ class PolicyGroup:
         return self.workers.call_sharded(method, batch, self.layout.shard_of_rank, self.layout.output_ranks,
                                          *args, **kwargs)
 
+    @staticmethod
+    def _inputs(batch: Batch) -> Batch:
+        return batch.select(*[k for k in MODEL_INPUTS if k in batch])
+
     def logprobs(self, batch: Batch) -> torch.Tensor:
-        return torch.cat(self._sharded("logprobs", batch.select("input_ids")))
+        return torch.cat(self._sharded("forward", self._inputs(batch)))
 
     def reference_logprobs(self, batch: Batch) -> torch.Tensor:
-        return torch.cat(self._sharded("reference_logprobs", batch.select("input_ids")))
+        return torch.cat(self._sharded("reference_logprobs", self._inputs(batch)))
 
-    def train(self, batch: Batch, totals: BatchTotals, loss: str,
-              policy_loss_cfg: ClippedPolicyLossConfig | None = None) -> dict:
-        """One optimizer step on `batch`; metric sums added over DP shards (grad_norm: as is)."""
-        per_shard = self._sharded("train", batch, totals, loss, policy_loss_cfg)
+    def train(self, batch: Batch, totals: BatchTotals, objective: Callable) -> dict:
+        """One optimizer step on `batch` minimising `objective` (algorithms/objectives.py);
+        metric sums added over DP shards (grad_norm: as is)."""
+        per_shard = self._sharded("train", batch, totals, objective)
         metrics = {k: sum(m[k] for m in per_shard) for k in per_shard[0] if k != "grad_norm"}
         metrics["grad_norm"] = per_shard[0]["grad_norm"]
         return metrics
@@ -53,6 +64,12 @@ class PolicyGroup:
     def rank0(self, method: str, *args, **kwargs):
         """Collective call whose answer lives on rank 0."""
         return self.workers.call(method, *args, **kwargs)[0]
+
+
+class CriticGroup(PolicyGroup):
+    def values(self, batch: Batch) -> torch.Tensor:
+        """Token-aligned values: position t holds V(input_ids[:t])."""
+        return torch.cat(self._sharded("forward", self._inputs(batch)))
 
 
 class GenerationGroup:

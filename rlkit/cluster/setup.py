@@ -6,9 +6,11 @@ from typing import Callable
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rlkit.cluster.placement import plan_placement
+from rlkit.cluster.placement import Placement, plan_placement
 from rlkit.cluster.ray_cluster import connect, device_kind
-from rlkit.cluster.roles import GenerationGroup, PolicyGroup
+from dataclasses import replace
+
+from rlkit.cluster.roles import CriticGroup, GenerationGroup, PolicyGroup
 from rlkit.cluster.worker_group import WorkerGroup, rendezvous_address
 from rlkit.config.schema import RootConfig
 
@@ -19,11 +21,14 @@ class Workers:
     generation: GenerationGroup | None  # None for policy-only runs
     placement_group: object
     started_cluster: bool
+    placement: Placement
+    device: str
+    critic: CriticGroup | None = None  # PPO: added by start_critic
 
     def shutdown(self):
-        self.policy.workers.kill()
-        if self.generation is not None:
-            self.generation.workers.kill()
+        for group in (self.policy, self.generation, self.critic):
+            if group is not None:
+                group.workers.kill()
         remove_placement_group(self.placement_group)
         if self.started_cluster:
             ray.shutdown()
@@ -39,11 +44,13 @@ def _generation_worker(cfg: RootConfig, model_dir: str) -> tuple[type, Callable[
                                                  threads=cfg.cluster.threads_per_worker, rank=rank)
 
 
-def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True) -> Workers:
+def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True, with_critic: bool = False) -> Workers:
+    """Policy (and generation) workers on a new placement group; with_critic reserves room on the
+    policy's bundles for the critic that start_critic adds later."""
     started = connect(cfg.cluster)
     device = device_kind()
     num_generation = cfg.generation.num_workers if with_generation else 0
-    placement = plan_placement(cfg.cluster.placement, cfg.policy.num_workers, num_generation, device)
+    placement = plan_placement(cfg.cluster.placement, cfg.policy.num_workers, num_generation, device, with_critic)
     pg = placement_group(placement.bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=cfg.cluster.call_timeout_s)
@@ -60,8 +67,6 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True)
 
 
 def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation) -> Workers:
-    from rlkit.workers.policy.megatron import MegatronPolicyWorker
-
     c = cfg.cluster
     # Generation first: vLLM sizes its KV cache from the free memory it measures at start-up,
     # which a policy allocating on the same GPU at the same time would falsify.
@@ -71,11 +76,28 @@ def _start_groups(cfg, model_dir, pg, placement, device, started, with_generatio
         generation = GenerationGroup(WorkerGroup("generation", generation_cls, pg, placement.generation_bundles,
                                                  placement.share, device, generation_args, c.call_timeout_s))
         generation.call("sleep")  # also waits until every engine is up
+    policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
+    return Workers(PolicyGroup(policy), generation, pg, started, placement, device)
+
+
+def start_critic(cfg: RootConfig, workers: Workers, model_dir: str) -> CriticGroup:
+    """PPO's critic: the policy's layout and optimizer settings (learning rate algorithm.critic.lr),
+    a value head on the trunk of the checkpoint at model_dir, on the policy's bundles."""
+    critic_cfg = replace(cfg.policy, optimizer=replace(cfg.policy.optimizer, lr=cfg.algorithm.critic.lr))
+    workers.critic = CriticGroup(_megatron_group("critic", cfg, critic_cfg, model_dir, workers.placement_group,
+                                                 workers.placement, workers.device, head="value"))
+    return workers.critic
+
+
+def _megatron_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, placement, device: str,
+                    head: str) -> WorkerGroup:
+    from rlkit.workers.policy.megatron import MegatronPolicyWorker
+
+    c = cfg.cluster
     master_addr, master_port = rendezvous_address(pg, placement.policy_bundles[0])
-    policy = WorkerGroup(
-        "policy", MegatronPolicyWorker, pg, placement.policy_bundles, placement.share, device,
-        lambda rank: dict(cfg=cfg.policy, model_dir=model_dir, rank=rank, world_size=cfg.policy.num_workers,
+    return WorkerGroup(
+        role, MegatronPolicyWorker, pg, placement.policy_bundles, placement.share, device,
+        lambda rank: dict(cfg=model_cfg, model_dir=model_dir, rank=rank, world_size=model_cfg.num_workers,
                           master_addr=master_addr, master_port=master_port, seed=cfg.run.seed,
-                          threads=c.threads_per_worker, collective_timeout_s=c.collective_timeout_s),
+                          threads=c.threads_per_worker, collective_timeout_s=c.collective_timeout_s, head=head),
         c.call_timeout_s)
-    return Workers(PolicyGroup(policy), generation, pg, started)

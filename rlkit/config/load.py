@@ -10,7 +10,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from rlkit.config.schema import RootConfig
+from rlkit.config.schema import ALGORITHMS, DATASETS, RL_ALGORITHMS, RootConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_GROUPS_DIR = REPO_ROOT / "configs"
@@ -37,9 +37,17 @@ def compose_recipe(name: str, overrides: list[str], recipes_dir: Path = RECIPES_
 
 
 def to_typed(cfg: DictConfig) -> RootConfig:
-    """Merge into the schema: unknown keys, wrong types and missing values fail here."""
+    """Merge into the schema: unknown keys, wrong types and missing values fail here. The
+    algorithm and data sections are typed by their name (algorithm.name, data.name)."""
+    schema = OmegaConf.structured(RootConfig)
+    for key, choices in [("algorithm", ALGORITHMS), ("data", DATASETS)]:
+        name = OmegaConf.select(cfg, f"{key}.name")
+        if name not in choices:
+            raise ConfigError(f"{key}.name: must be one of {list(choices)} (got: {name!r}); select the config "
+                              f"group with {key}=<name>")
+        schema[key] = OmegaConf.structured(choices[name])
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(RootConfig), cfg)
+        merged = OmegaConf.merge(schema, cfg)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise ConfigError(f"{missing[0]}: no value set; give it one in the recipe or as {missing[0]}=...")
@@ -74,38 +82,32 @@ def _attention_heads(model_path: str) -> tuple[int, int] | None:
                           f"point policy.model_path at a complete HF checkpoint directory") from None
 
 
-def validate(cfg: RootConfig) -> None:
-    from rlkit.algorithms.losses import LOSS_AGGREGATIONS
-    from rlkit.cluster.placement import PLACEMENTS
-    from rlkit.envs.base import check_environment_config
-    from rlkit.models.tiny import ARCHITECTURES, parse_tiny
-    from rlkit.refit.transports import TRANSPORTS
+def _positive(*pairs):
+    for key, value in pairs:
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1 (got: {value}); set a positive value")
 
-    p, g, a = cfg.policy, cfg.generation, cfg.algorithm
-    _choice("cluster.placement", cfg.cluster.placement, PLACEMENTS)
+
+def validate(cfg: RootConfig) -> None:
+    """Cross-key checks: what every run needs, then what its algorithm family needs."""
+    from rlkit.models.tiny import ARCHITECTURES, parse_tiny
+
+    p, a = cfg.policy, cfg.algorithm
+    _choice("cluster.placement", cfg.cluster.placement, _placements())
     _choice("policy.precision", p.precision, ("fp32", "bf16"))
-    _choice("generation.precision", g.precision, ("fp32", "bf16"))
-    _choice("generation.backend", g.backend, ("hf", "vllm"))
-    _choice("refit.transport", cfg.refit.transport, TRANSPORTS)
-    _choice("algorithm.name", a.name, ("grpo",))
-    _choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
+    rl = a.name in RL_ALGORITHMS
+    if rl:
+        _validate_rollout_choices(cfg)
     arch = parse_tiny(p.model_path)
     if p.model_path.startswith("tiny://") and arch not in ARCHITECTURES:
         raise ConfigError(f"policy.model_path: tiny model '{p.model_path}' is unknown; use one of "
                           f"{['tiny://' + x for x in ARCHITECTURES]}")
-    for key, value in [("policy.num_workers", p.num_workers), ("policy.tensor_parallel_size", p.tensor_parallel_size),
-                       ("policy.pipeline_parallel_size", p.pipeline_parallel_size),
-                       ("policy.micro_batch_size", p.micro_batch_size), ("generation.num_workers", g.num_workers),
-                       ("policy.train_global_batch_size", p.train_global_batch_size),
-                       ("algorithm.warm_start.batch_size", a.warm_start.batch_size),
-                       ("cluster.num_cpus", cfg.cluster.num_cpus), ("algorithm.val_every", a.val_every),
-                       ("algorithm.prompts_per_step", a.prompts_per_step), ("algorithm.num_steps", a.num_steps),
-                       ("generation.max_new_tokens", g.max_new_tokens)]:
-        if value < 1:
-            raise ConfigError(f"{key}: must be >= 1 (got: {value}); set a positive value")
-    if a.warm_start.sft_steps < 0:
-        raise ConfigError(f"algorithm.warm_start.sft_steps: must be >= 0 (got: {a.warm_start.sft_steps}); "
-                          "0 skips the warm start")
+    _positive(("policy.num_workers", p.num_workers), ("policy.tensor_parallel_size", p.tensor_parallel_size),
+              ("policy.pipeline_parallel_size", p.pipeline_parallel_size),
+              ("policy.micro_batch_size", p.micro_batch_size),
+              ("policy.train_global_batch_size", p.train_global_batch_size),
+              ("cluster.num_cpus", cfg.cluster.num_cpus), ("algorithm.val_every", a.val_every),
+              ("algorithm.num_steps", a.num_steps))
     model_parallel = p.tensor_parallel_size * p.pipeline_parallel_size
     if p.num_workers % model_parallel:
         raise ConfigError(f"policy.num_workers: must be a multiple of policy.tensor_parallel_size x "
@@ -116,18 +118,101 @@ def validate(cfg: RootConfig) -> None:
         raise ConfigError(f"policy.train_global_batch_size: must be divisible by DP ({dp}) x "
                           f"policy.micro_batch_size ({p.micro_batch_size}) = {dp * p.micro_batch_size} "
                           f"(got: {p.train_global_batch_size}); set it to a multiple of {dp * p.micro_batch_size}")
-    if a.group_size < 2:
-        raise ConfigError(f"algorithm.group_size: GRPO needs at least 2 samples per prompt to compare "
-                          f"(got: {a.group_size}); set it to 2 or more")
-    rollout = a.prompts_per_step * a.group_size
-    if rollout % p.train_global_batch_size:
-        raise ConfigError(f"policy.train_global_batch_size: must divide the rollout size algorithm.prompts_per_step "
-                          f"x algorithm.group_size = {rollout} (got: {p.train_global_batch_size}); pick a divisor of {rollout}")
+    if rl:
+        _validate_rl(cfg, dp)
+    else:
+        _validate_supervised(cfg)
     heads, kv_heads = _attention_heads(p.model_path)
     for name, count in [("attention heads", heads), ("key/value heads", kv_heads)]:
         if count % p.tensor_parallel_size:
             raise ConfigError(f"policy.tensor_parallel_size: must divide the model's {count} {name} "
                               f"(got: {p.tensor_parallel_size}); pick a divisor of {count}")
+    if rl:
+        _validate_rollout_transport(cfg)
+    _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
+        raise ConfigError(f"checkpoint.every / checkpoint.keep_last: must be >= 0 (got: {cfg.checkpoint.every}, "
+                          f"{cfg.checkpoint.keep_last})")
+    if rl:
+        _validate_environment(cfg)
+        if a.warm_start.sft_steps > 0 and a.warm_start.batch_size % (dp * p.micro_batch_size):
+            raise ConfigError(f"algorithm.warm_start.batch_size: must be divisible by DP ({dp}) x "
+                              f"policy.micro_batch_size ({p.micro_batch_size}) (got: {a.warm_start.batch_size}); "
+                              f"set it to a multiple of {dp * p.micro_batch_size}")
+
+
+def _placements():
+    from rlkit.cluster.placement import PLACEMENTS
+    return PLACEMENTS
+
+
+def _validate_rollout_choices(cfg: RootConfig) -> None:
+    from rlkit.algorithms.losses import LOSS_AGGREGATIONS
+    from rlkit.refit.transports import TRANSPORTS
+
+    for section in ("generation", "refit", "env", "env_runner"):
+        if getattr(cfg, section) is None:
+            raise ConfigError(f"{section}: algorithm {cfg.algorithm.name} generates rollouts and needs this "
+                              f"section; add /{section} to the recipe's defaults (see recipes/grpo_tiny_cpu.yaml)")
+    _choice("generation.precision", cfg.generation.precision, ("fp32", "bf16"))
+    _choice("generation.backend", cfg.generation.backend, ("hf", "vllm"))
+    _choice("refit.transport", cfg.refit.transport, TRANSPORTS)
+    _choice("algorithm.loss_aggregation", cfg.algorithm.loss_aggregation, LOSS_AGGREGATIONS)
+    if cfg.algorithm.name == "ppo":
+        _choice("algorithm.kl_mode", cfg.algorithm.kl_mode, ("reward", "loss"))
+    _choice("data.name", cfg.data.name, ("arithmetic",))
+
+
+def _validate_rl(cfg: RootConfig, dp: int) -> None:
+    p, g, a = cfg.policy, cfg.generation, cfg.algorithm
+    _positive(("generation.num_workers", g.num_workers), ("algorithm.warm_start.batch_size", a.warm_start.batch_size),
+              ("algorithm.prompts_per_step", a.prompts_per_step), ("generation.max_new_tokens", g.max_new_tokens))
+    if a.warm_start.sft_steps < 0:
+        raise ConfigError(f"algorithm.warm_start.sft_steps: must be >= 0 (got: {a.warm_start.sft_steps}); "
+                          "0 skips the warm start")
+    needs_groups = a.name in ("grpo", "rloo")
+    if a.group_size < (2 if needs_groups else 1):
+        raise ConfigError(f"algorithm.group_size: {a.name.upper()} needs at least 2 samples per prompt to compare "
+                          f"(got: {a.group_size}); set it to 2 or more" if needs_groups else
+                          f"algorithm.group_size: must be >= 1 (got: {a.group_size}); set a positive value")
+    rollout = a.prompts_per_step * a.group_size
+    if rollout % p.train_global_batch_size:
+        raise ConfigError(f"policy.train_global_batch_size: must divide the rollout size algorithm.prompts_per_step "
+                          f"x algorithm.group_size = {rollout} (got: {p.train_global_batch_size}); pick a divisor of {rollout}")
+    if a.name == "ppo":
+        if not (0 <= a.gamma <= 1 and 0 <= a.lam <= 1):
+            raise ConfigError(f"algorithm.gamma / algorithm.lam: must lie in [0, 1] (got: {a.gamma}, {a.lam})")
+        if a.critic.lr <= 0:
+            raise ConfigError(f"algorithm.critic.lr: must be > 0 (got: {a.critic.lr})")
+
+
+def _validate_supervised(cfg: RootConfig) -> None:
+    from rlkit.algorithms.losses import DPO_LOSS_TYPES
+
+    p, a, d = cfg.policy, cfg.algorithm, cfg.data
+    expected = {"sft": "sft_files", "dpo": "preference_files"}[a.name]
+    if d.name != expected:
+        raise ConfigError(f"data.name: algorithm {a.name} trains on data={expected} (got: {d.name!r}); "
+                          f"use data={expected} or a group of that kind")
+    _positive(("data.max_length", d.max_length))
+    if a.name == "dpo":
+        _choice("algorithm.loss_type", a.loss_type, DPO_LOSS_TYPES)
+        if a.beta <= 0:
+            raise ConfigError(f"algorithm.beta: must be > 0 (got: {a.beta}); DPO's usual range is 0.01-0.5")
+        if not 0 <= a.label_smoothing < 0.5:
+            raise ConfigError(f"algorithm.label_smoothing: must lie in [0, 0.5) (got: {a.label_smoothing}); "
+                              f"0 is plain DPO")
+        if a.warm_start.sft_steps < 0:
+            raise ConfigError(f"algorithm.warm_start.sft_steps: must be >= 0 (got: {a.warm_start.sft_steps}); "
+                              "0 skips the warm start")
+        _positive(("algorithm.warm_start.batch_size", a.warm_start.batch_size))
+        if p.micro_batch_size % 2:
+            raise ConfigError(f"policy.micro_batch_size: DPO keeps each chosen/rejected pair in one micro-batch, "
+                              f"so it must be even (got: {p.micro_batch_size})")
+
+
+def _validate_rollout_transport(cfg: RootConfig) -> None:
+    p, g = cfg.policy, cfg.generation
     gpu_transports = ("cuda_ipc", "nccl")
     if g.backend == "vllm":
         if g.vllm is None:
@@ -148,10 +233,13 @@ def validate(cfg: RootConfig) -> None:
     if cfg.refit.transport == "nccl" and cfg.cluster.placement != "disaggregated":
         raise ConfigError("refit.transport: nccl needs cluster.placement=disaggregated (policy and vLLM on "
                           "different GPUs); use refit=cuda_ipc when colocated")
-    _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
-        raise ConfigError(f"checkpoint.every / checkpoint.keep_last: must be >= 0 (got: {cfg.checkpoint.every}, "
-                          f"{cfg.checkpoint.keep_last})")
+    if cfg.refit.bucket_mb <= 0:
+        raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb})")
+
+
+def _validate_environment(cfg: RootConfig) -> None:
+    from rlkit.envs.base import check_environment_config
+
     if "_target_" not in cfg.env:
         raise ConfigError("env._target_: no environment set; give an importable Environment class or scoring "
                           "function, e.g. env._target_=rlkit.envs.arithmetic.ArithmeticEnv")
@@ -159,20 +247,12 @@ def validate(cfg: RootConfig) -> None:
     if problem:
         raise ConfigError(problem)
     r = cfg.env_runner
-    for key, value in [("env_runner.num_workers", r.num_workers), ("env_runner.max_turns", r.max_turns),
-                       ("env_runner.max_total_tokens", r.max_total_tokens)]:
-        if value < 1:
-            raise ConfigError(f"{key}: must be >= 1 (got: {value}); set a positive value")
+    _positive(("env_runner.num_workers", r.num_workers), ("env_runner.max_turns", r.max_turns),
+              ("env_runner.max_total_tokens", r.max_total_tokens))
     if r.timeout_s <= 0:
         raise ConfigError(f"env_runner.timeout_s: must be > 0 (got: {r.timeout_s}); set a positive number of seconds")
     if "{observation}" not in r.observation_format:
         raise ConfigError(f"env_runner.observation_format: must contain {{observation}} (got: {r.observation_format!r})")
-    if cfg.refit.bucket_mb <= 0:
-        raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb})")
-    if a.warm_start.sft_steps > 0 and a.warm_start.batch_size % (dp * p.micro_batch_size):
-        raise ConfigError(f"algorithm.warm_start.batch_size: must be divisible by DP ({dp}) x "
-                          f"policy.micro_batch_size ({p.micro_batch_size}) (got: {a.warm_start.batch_size}); "
-                          f"set it to a multiple of {dp * p.micro_batch_size}")
 
 
 def load_config(name: str, overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> tuple[RootConfig, DictConfig]:

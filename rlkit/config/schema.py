@@ -85,12 +85,13 @@ class WarmStartConfig:
 
 
 @dataclass
-class AlgorithmConfig:
+class PolicyGradientConfig:
+    """What every RL algorithm shares: rollouts, advantages, the clipped policy loss."""
+
     name: str = MISSING
     num_steps: int = MISSING
     prompts_per_step: int = MISSING
     group_size: int = MISSING
-    normalize_std: bool = MISSING
     clip_low: float = MISSING
     clip_high: float = MISSING
     kl_coef: float = MISSING
@@ -98,6 +99,60 @@ class AlgorithmConfig:
     val_every: int = MISSING
     val_greedy: bool = MISSING
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+@dataclass
+class GRPOConfig(PolicyGradientConfig):
+    normalize_std: bool = MISSING
+
+
+@dataclass
+class RLOOConfig(PolicyGradientConfig):
+    pass
+
+
+@dataclass
+class ReinforcePPConfig(PolicyGradientConfig):
+    baseline: bool = MISSING
+
+
+@dataclass
+class CriticConfig:
+    lr: float = MISSING
+    value_clip: float = MISSING
+
+
+@dataclass
+class PPOConfig(PolicyGradientConfig):
+    kl_mode: str = MISSING
+    gamma: float = MISSING
+    lam: float = MISSING
+    critic: CriticConfig = field(default_factory=CriticConfig)
+
+
+@dataclass
+class SFTConfig:
+    name: str = MISSING
+    num_steps: int = MISSING
+    val_every: int = MISSING
+
+
+@dataclass
+class DPOConfig:
+    name: str = MISSING
+    num_steps: int = MISSING
+    val_every: int = MISSING
+    beta: float = MISSING
+    label_smoothing: float = MISSING
+    loss_type: str = MISSING
+    sft_weight: float = MISSING
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+# algorithm.name -> its schema; the `algorithm=` config group picks one
+ALGORITHMS = {"grpo": GRPOConfig, "rloo": RLOOConfig, "reinforce_pp": ReinforcePPConfig, "ppo": PPOConfig,
+              "sft": SFTConfig, "dpo": DPOConfig}
+RL_ALGORITHMS = ("grpo", "rloo", "reinforce_pp", "ppo")
 
 
 @dataclass
@@ -112,13 +167,35 @@ class EnvRunnerConfig:
 
 
 @dataclass
-class DataConfig:
-    name: str = MISSING
+class ArithmeticSetConfig:
     train_size: int = MISSING
     val_size: int = MISSING
     max_operand: int = MISSING
     operations: list[str] = MISSING
     seed: int = MISSING
+
+
+@dataclass
+class ArithmeticDataConfig(ArithmeticSetConfig):
+    name: str = MISSING
+
+
+@dataclass
+class FileDataConfig:
+    name: str = MISSING
+    train_path: str = MISSING
+    val_path: Optional[str] = MISSING
+    max_length: int = MISSING
+    synthetic: Optional[ArithmeticSetConfig] = None
+
+
+@dataclass
+class SFTDataConfig(FileDataConfig):
+    pack: bool = MISSING
+
+
+# data.name -> its schema
+DATASETS = {"arithmetic": ArithmeticDataConfig, "sft_files": SFTDataConfig, "preference_files": FileDataConfig}
 
 
 @dataclass
@@ -157,12 +234,14 @@ class RootConfig:
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    refit: RefitConfig = field(default_factory=RefitConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    # the environment's own keys are its constructor's: checked against it, not here
-    env: dict[str, Any] = field(default_factory=dict)
-    env_runner: EnvRunnerConfig = field(default_factory=EnvRunnerConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    # typed by algorithm.name / data.name through ALGORITHMS / DATASETS at load time
+    algorithm: Any = MISSING
+    data: Any = MISSING
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # RL only (rollouts): absent from SFT and DPO recipes
+    generation: Optional[GenerationConfig] = None
+    refit: Optional[RefitConfig] = None
+    # the environment's own keys are its constructor's: checked against it, not here
+    env: Optional[dict[str, Any]] = None
+    env_runner: Optional[EnvRunnerConfig] = None

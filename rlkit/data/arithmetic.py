@@ -2,12 +2,12 @@
 
 import random
 
-from rlkit.config.schema import DataConfig
+from rlkit.config.schema import ArithmeticSetConfig
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-def arithmetic_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+def arithmetic_splits(cfg: ArithmeticSetConfig) -> tuple[list[dict], list[dict]]:
     """Disjoint train / validation sets of {"prompt", "answer"} rows, deterministic in cfg.seed."""
     unknown = [op for op in cfg.operations if op not in OPERATIONS]
     if unknown:

@@ -78,3 +78,14 @@ def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
     itself = torch.eye(length, dtype=torch.bool, device=segment_ids.device)
     return ~((same_sequence & causal) | itself).unsqueeze(1)
+
+
+def pad_rows(batch: Batch, multiple: int, pad_id: int) -> Batch:
+    """Append empty rows (pad_id tokens, every other field 0: no loss, no segment) until the row
+    count is a multiple of `multiple`, so the batch splits evenly over DP ranks and micro-batches."""
+    missing = -len(batch) % multiple
+    if missing == 0:
+        return batch
+    filler = {k: torch.full((missing, *v.shape[1:]), pad_id if k == "input_ids" else 0, dtype=v.dtype)
+              for k, v in batch.tensors.items()}
+    return Batch({k: torch.cat([v, filler[k]]) for k, v in batch.tensors.items()})

@@ -130,6 +130,10 @@ def console_line(step: int, num_steps: int, m: dict, seconds_per_step: float) ->
     parts = [f"step {step:>3}/{num_steps} {progress(step, num_steps, seconds_per_step)}"]
     for key, label, fmt in [("train/reward", "reward", ".3f"), ("train/accuracy", "acc", ".3f"),
                             ("val/accuracy", "val_acc", ".3f"), ("val/reward", "val_reward", ".3f"),
+                            ("train/loss", "loss", ".3f"), ("val/loss", "val_loss", ".3f"),
+                            ("train/preference_accuracy", "pref_acc", ".3f"),
+                            ("val/preference_accuracy", "val_pref_acc", ".3f"),
+                            ("train/reward_margin", "margin", ".3f"), ("critic/value_loss", "value_loss", ".4f"),
                             ("train/turns", "turns", ".2f"), ("env/failures", "env_fail", "d"),
                             ("train/response_length", "len", ".1f"),
                             ("train/kl", "kl", ".4f"), ("train/entropy", "ent", ".3f"),

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rlkit.algorithms.grpo import run_grpo
+from rlkit.algorithms.grpo import run_policy_gradient
 
 COLOCATED = ["cluster.placement=colocated", "refit=cuda_ipc"]
 DISAGGREGATED = ["cluster.placement=disaggregated", "refit=nccl"]
@@ -15,11 +15,13 @@ DISAGGREGATED = ["cluster.placement=disaggregated", "refit=nccl"]
 def test_grpo_with_vllm(ray_cluster, make_cfg, layout):
     cfg, resolved = make_cfg(*layout, "algorithm.num_steps=3", "algorithm.val_every=3",
                              "algorithm.warm_start.sft_steps=20", f"run.name=gpu_{layout[0].split('=')[1]}")
-    result = run_grpo(cfg, resolved)
+    result = run_policy_gradient(cfg, resolved)
     assert len(result.history) == 4
     for metrics in result.history[1:]:
         assert all(math.isfinite(metrics[k]) for k in ["train/reward", "train/grad_norm", "train/entropy"])
         assert metrics["refit/token_mult_prob_error"] <= 1.05
+        if cfg.cluster.placement == "colocated":  # the policy's memory was freed while vLLM generated
+            assert metrics["memory/policy_offloaded_gb"] > 0
     print(f"GRPO {cfg.refit.transport}: " + ", ".join(
         f"step {i}: reward {m['train/reward']:.3f} mult_err {m['refit/token_mult_prob_error']:.4f}"
         for i, m in enumerate(result.history[1:], 1)))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlkit.algorithms.losses import batch_totals
+from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.cluster.setup import start_workers
 from rlkit.data.batch import Batch
 from rlkit.models.resolve import resolve_model_dir
@@ -28,7 +29,7 @@ def test_megatron_nccl_parallel_train_step(ray_cluster, make_cfg, layout):
         try:
             results[name] = workers.policy.logprobs(batch)
             mask = torch.ones(16, 12)
-            metrics = workers.policy.train(batch.with_fields(loss_mask=mask), batch_totals(mask), "sft")
+            metrics = workers.policy.train(batch.with_fields(loss_mask=mask), batch_totals(mask), NextTokenNLL())
             assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
         finally:
             workers.shutdown()

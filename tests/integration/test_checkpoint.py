@@ -16,8 +16,9 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlkit.algorithms.grpo import run_grpo
+from rlkit.algorithms.grpo import run_policy_gradient
 from rlkit.algorithms.losses import batch_totals
+from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.cluster.setup import start_workers
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.data.batch import Batch
@@ -95,7 +96,7 @@ def test_dist_checkpoint_loads_into_another_tensor_parallel_size(ray_cluster, ma
         try:
             if name == "tp1":
                 mask = torch.ones(8, 10)
-                workers.policy.train(batch.with_fields(loss_mask=mask), batch_totals(mask), "sft")
+                workers.policy.train(batch.with_fields(loss_mask=mask), batch_totals(mask), NextTokenNLL())
                 workers.policy.call("save_checkpoint", str(tmp_path), "dist")
             else:
                 workers.policy.call("load_checkpoint", str(tmp_path), "dist")
@@ -140,7 +141,7 @@ def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_
     killer.start()
     start = time.monotonic()
     with pytest.raises(WorkerError) as error:
-        run_grpo(cfg, resolved)
+        run_policy_gradient(cfg, resolved)
     message = str(error.value)
     # "died during '<call>'", or, when the kill lands inside a checkpoint write whose forked writer
     # keeps the dead worker's connection open, "did not finish '<call>' within 60s": both name the
@@ -152,6 +153,6 @@ def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_
     cfg, resolved = make_cfg("algorithm.num_steps=10", "checkpoint.every=1", "algorithm.val_every=100",
                              "algorithm.prompts_per_step=8", "policy.train_global_batch_size=64",
                              f"run.output_dir={tmp_path}")
-    history = run_grpo(cfg, resolved).history
+    history = run_policy_gradient(cfg, resolved).history
     assert [m["step"] for m in history] == list(range(11))  # step 0 (validation) through 10, once each
     assert ray.is_initialized()

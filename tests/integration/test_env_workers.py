@@ -128,12 +128,12 @@ def test_readme_custom_environment_runs(tmp_path):
 def test_multi_turn_grpo_improves(ray_cluster, cache_dir, tmp_path):
     """recipes/grpo_tiny_cpu_multiturn.yaml as shipped: reward rises over its 60 steps
     (measured: validation reward 0.20 -> 0.37, training reward 0.25 -> 0.36 over 10-step means)."""
-    from rlkit.algorithms.grpo import run_grpo
+    from rlkit.algorithms.grpo import run_policy_gradient
     from rlkit.config.load import load_config
 
     cfg, resolved = load_config("grpo_tiny_cpu_multiturn", [f"run.cache_dir={cache_dir}",
                                                             f"run.output_dir={tmp_path}"])
-    history = run_grpo(cfg, resolved).history
+    history = run_policy_gradient(cfg, resolved).history
     rewards = [m["train/reward"] for m in history[1:]]
     assert history[-1]["val/reward"] >= history[0]["val/reward"] + 0.08
     assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + 0.03

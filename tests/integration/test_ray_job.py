@@ -71,5 +71,5 @@ def test_ray_job_submit_runs_a_recipe(ray_head, tmp_path):
     logs = subprocess.run([RAY, "job", "logs", "--address", address, job_id], env=env, capture_output=True,
                           text=True, timeout=120).stdout
     assert "joining Ray cluster" in logs  # it used the running cluster, not a new local one
-    assert "step   2/2" in logs and "done: val_reward" in logs
+    assert "step   2/2" in logs and "done: val/reward" in logs
     assert (tmp_path / "out" / "grpo_tiny_cpu" / "metrics.jsonl").is_file()

@@ -93,8 +93,10 @@ ERRORS = [
      ["1 GPU per vLLM engine", "(got: 2)"], ["generation=vllm", "refit=nccl", "cluster.placement=disaggregated"]),
     ("transport", ["refit.transport=rdma"], "refit.transport",
      ["must be one of", "'cpu'", "(got: 'rdma')"], ["refit.transport=cpu"]),
-    ("algorithm-name", ["algorithm.name=ppo"], "algorithm.name", ["must be one of", "'grpo'", "(got: 'ppo')"],
-     ["algorithm.name=grpo"]),
+    ("algorithm-name", ["algorithm.name=a2c"], "algorithm.name",
+     ["must be one of", "'grpo'", "'ppo'", "'dpo'", "(got: 'a2c')", "algorithm=<name>"], ["algorithm.name=grpo"]),
+    ("algorithm-keys-of-another", ["algorithm.name=rloo"], "algorithm.normalize_std",
+     ["unknown key"], ["algorithm=rloo"]),
     ("loss-aggregation", ["algorithm.loss_aggregation=sum"], "algorithm.loss_aggregation",
      ["must be one of", "'token-mean'", "'seq-mean-token-mean'", "'seq-mean-token-sum'", "(got: 'sum')"],
      ["algorithm.loss_aggregation=seq-mean-token-sum"]),
@@ -155,6 +157,53 @@ def test_config_error_names_key_and_fix(overrides, key, fragments, fixed):
         assert fragment in message, f"{fragment!r} missing from: {message!r}"
     cfg, _ = load_config(RECIPE, pinned(fixed))  # the fix the message points at loads
     assert isinstance(cfg, RootConfig)
+
+
+# SFT / DPO / PPO recipes: (id, recipe, overrides, offending key, fragments, overrides that fix it)
+FAMILY_ERRORS = [
+    ("dpo-odd-micro-batch", "dpo_tiny_cpu", ["policy.micro_batch_size=1"], "policy.micro_batch_size",
+     ["must be even", "(got: 1)"], ["policy.micro_batch_size=4"]),
+    ("dpo-loss-type", "dpo_tiny_cpu", ["algorithm.loss_type=hinge"], "algorithm.loss_type",
+     ["must be one of", "'ipo'", "(got: 'hinge')"], ["algorithm.loss_type=ipo"]),
+    ("dpo-beta", "dpo_tiny_cpu", ["algorithm.beta=0"], "algorithm.beta", ["must be > 0"], ["algorithm.beta=0.1"]),
+    ("dpo-label-smoothing", "dpo_tiny_cpu", ["algorithm.label_smoothing=0.5"], "algorithm.label_smoothing",
+     ["[0, 0.5)", "(got: 0.5)"], ["algorithm.label_smoothing=0.1"]),
+    ("sft-on-preference-data", "sft_tiny_cpu", ["data=arithmetic_preferences"], "data.name",
+     ["trains on data=sft_files", "(got: 'preference_files')"], ["data=arithmetic_sft"]),
+    ("sft-unknown-data", "sft_tiny_cpu", ["data.name=csv"], "data.name",
+     ["must be one of", "'sft_files'", "(got: 'csv')"], ["data.name=sft_files"]),
+    ("sft-pack-on-dpo", "dpo_tiny_cpu", ["+data.pack=true"], "data.pack", ["unknown key"], []),
+    ("rl-without-generation", "sft_tiny_cpu", ["algorithm=grpo", "data=arithmetic"], "generation",
+     ["needs this section", "recipes/grpo_tiny_cpu.yaml"], ["algorithm=sft", "data=arithmetic_sft"]),
+    ("ppo-kl-mode", "ppo_tiny_cpu", ["algorithm.kl_mode=both"], "algorithm.kl_mode",
+     ["must be one of", "'reward'", "'loss'", "(got: 'both')"], ["algorithm.kl_mode=loss"]),
+    ("ppo-lambda", "ppo_tiny_cpu", ["algorithm.lam=1.5"], "algorithm.gamma / algorithm.lam",
+     ["[0, 1]", "1.5"], ["algorithm.lam=0.9"]),
+    ("rloo-group", "rloo_tiny_cpu", ["algorithm.group_size=1"], "algorithm.group_size",
+     ["RLOO needs at least 2"], ["algorithm.group_size=4"]),
+]
+
+
+@pytest.mark.parametrize("recipe, overrides, key, fragments, fixed", [c[1:] for c in FAMILY_ERRORS],
+                         ids=[c[0] for c in FAMILY_ERRORS])
+def test_algorithm_family_errors_name_key_and_fix(recipe, overrides, key, fragments, fixed):
+    message = load_error(overrides, name=recipe)
+    assert_names_key(message, key)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from: {message!r}"
+    cfg, _ = load_config(recipe, fixed)
+    assert isinstance(cfg, RootConfig)
+
+
+def test_algorithm_group_selects_its_schema():
+    """`algorithm=` picks the family; each gets its own typed section and no other family's keys."""
+    from rlkit.config.schema import ALGORITHMS
+    for name, recipe in [("grpo", RECIPE), ("rloo", "rloo_tiny_cpu"), ("reinforce_pp", "reinforce_pp_tiny_cpu"),
+                         ("ppo", "ppo_tiny_cpu"), ("sft", "sft_tiny_cpu"), ("dpo", "dpo_tiny_cpu")]:
+        cfg, _ = load_config(recipe, [])
+        assert cfg.algorithm.name == name and type(cfg.algorithm) is ALGORITHMS[name]
+    sft, _ = load_config("sft_tiny_cpu", [])
+    assert sft.generation is None and sft.env is None and sft.data.pack is True
 
 
 def test_tp_heads_check_is_reachable_only_after_workers_check():

@@ -49,4 +49,6 @@ class GenerationWorker(ABC):
         """Release accelerator memory (weights, KV cache) while the policy trains."""
 
     @abstractmethod
-    def wake(self) -> None: ...
+    def wake(self, part: str = "all") -> None:
+        """part="weights" restores only the weights (for a refit while the policy still holds
+        its memory); "all" also the KV cache."""

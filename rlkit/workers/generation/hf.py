@@ -85,5 +85,5 @@ class HFGenerationWorker(GenerationWorker):
     def sleep(self) -> None:
         pass  # nothing to release on CPU
 
-    def wake(self) -> None:
+    def wake(self, part: str = "all") -> None:
         pass

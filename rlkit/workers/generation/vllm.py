@@ -32,7 +32,7 @@ class VLLMGenerationWorker(GenerationWorker):
                        dtype="bfloat16" if cfg.precision == "bf16" else "float32",
                        enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",
                        worker_extension_cls="rlkit.workers.generation.vllm_ext.RefitExtension")
-        self._asleep = False
+        self._asleep_tags: set[str] = set()
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations:
         from vllm import SamplingParams as VllmSamplingParams
@@ -78,11 +78,12 @@ class VLLMGenerationWorker(GenerationWorker):
         return self._rpc("rlkit_param_checksums")[0]
 
     def sleep(self) -> None:
-        if self.sleep_mode and not self._asleep:
+        if self.sleep_mode and not self._asleep_tags:
             self.llm.sleep(level=1)
-            self._asleep = True
+            self._asleep_tags = {"weights", "kv_cache"}
 
-    def wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def wake(self, part: str = "all") -> None:
+        tags = sorted(self._asleep_tags & ({"weights"} if part == "weights" else {"weights", "kv_cache"}))
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self._asleep_tags -= set(tags)

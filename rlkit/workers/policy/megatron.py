@@ -1,4 +1,6 @@
-"""Megatron-Core policy worker: one Ray actor per rank of the policy's TP x PP x DP grid.
+"""Megatron-Core model worker: one Ray actor per rank of a TP x PP x DP grid. It hosts the policy
+(head="lm": outputs token logprobs) or PPO's critic (head="value": the same GPTModel with a scalar
+value head, its trunk initialised from the policy checkpoint).
 
 Each call that takes a Batch receives this rank's DP shard; the controller gathers results
 from the output ranks (TP rank 0 on the last pipeline stage) of each DP group.
@@ -12,18 +14,21 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from rlkit.algorithms.losses import (BatchTotals, ClippedPolicyLossConfig, clipped_policy_loss,
-                                     entropy_from_logits, nll_loss)
+from rlkit.algorithms.losses import BatchTotals, entropy_from_logits
 from rlkit.config.schema import PolicyConfig
 from rlkit.data.batch import Batch
+from rlkit.data.packing import packed_attention_mask
 from rlkit.refit.plan import PackedBucket, RefitPlan
 
 ON_GPU = torch.cuda.is_available()
+# The distributed optimizer's state in a canonical per-parameter layout, so a checkpoint loads at
+# any TP/PP/DP (megatron-core's default layout for it is deprecated and refuses to save).
+OPTIMIZER_CHECKPOINT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 class MegatronPolicyWorker:
     def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, master_addr: str,
-                 master_port: int, seed: int, threads: int, collective_timeout_s: float):
+                 master_port: int, seed: int, threads: int, collective_timeout_s: float, head: str = "lm"):
         torch.set_num_threads(threads)
         if not ON_GPU:
             from rlkit.workers.policy import cpu_compat
@@ -44,11 +49,16 @@ class MegatronPolicyWorker:
         model_parallel_cuda_manual_seed(seed)
         from rlkit.bridge import ModelBridge
 
-        self.bf16 = cfg.precision == "bf16"
+        self.bf16, self.head = cfg.precision == "bf16", head
+        self.name = "policy" if head == "lm" else "critic"  # its folder in a checkpoint
         self.bridge = ModelBridge(model_dir, torch.bfloat16 if self.bf16 else torch.float32)
-        self.model = self.bridge.build(bf16=self.bf16, wrap_with_ddp=True,
+        self.model = self.bridge.build(bf16=self.bf16, wrap_with_ddp=True, value_head=head == "value",
                                        use_distributed_optimizer=cfg.use_distributed_optimizer)
-        self.bridge.load_hf_weights(self.model)
+        if head == "value":
+            self.bridge.load_trunk_weights(self.model, self.bf16)
+        else:
+            self.bridge.load_hf_weights(self.model)
+        self.offloaded = None  # CPU copies of what sleep() moved off the GPU
         # built at the first train() call: inference-only uses (verify-refit, benchmarks) never
         # pay for fp32 main weights and Adam state
         self.optimizer = None
@@ -100,6 +110,64 @@ class MegatronPolicyWorker:
         for chunk in self.reference:
             chunk.requires_grad_(False)
 
+    # ---- GPU memory while a colocated vLLM generates ----------------------------------------
+    def _resident_storages(self) -> tuple[list, list]:
+        """(storages whose contents must survive sleep, storages that may be dropped): weights
+        (and the reference's), optimizer state and fp32 main weights; gradient buffers."""
+        keep, drop, seen = [], [], set()
+
+        def add(tensor, into):
+            storage = tensor.untyped_storage()
+            if tensor.is_cuda and storage.data_ptr() not in seen and storage.nbytes() > 0:
+                seen.add(storage.data_ptr())
+                into.append(storage)
+
+        for chunk in self.model + (self.reference or []):
+            for param in chunk.parameters():
+                add(param.data, keep)
+        for chunk in self.model:
+            for buffer in getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", []):
+                add(buffer.grad_data, drop)
+        if self.optimizer is not None:
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                for group in opt.optimizer.param_groups:
+                    for param in group["params"]:
+                        add(param.data, keep)
+                for state in opt.optimizer.state.values():
+                    for value in state.values():
+                        if torch.is_tensor(value):
+                            add(value, keep)
+        return keep, drop
+
+    def sleep(self) -> int:
+        """Free this rank's GPU memory for a colocated vLLM: weights and optimizer state move to
+        host memory, gradient buffers are dropped. Storages are emptied in place (every view,
+        including Megatron's parameter views into its flat buffers, stays valid), so wake()
+        restores them without rebuilding anything. Returns the bytes off the GPU (0 on CPU)."""
+        if not ON_GPU:
+            return 0
+        if self.offloaded is not None:  # still asleep since an earlier call
+            return sum(n for _, n, _ in self.offloaded)
+        keep, drop = self._resident_storages()
+        self.offloaded = [(s, s.nbytes(), s.cpu().pin_memory()) for s in keep] + [(s, s.nbytes(), None) for s in drop]
+        for storage, _, _ in self.offloaded:
+            storage.resize_(0)
+        torch.cuda.empty_cache()
+        return sum(n for _, n, _ in self.offloaded)
+
+    def wake(self):
+        """Undo sleep(); every call that touches the model calls it first."""
+        if self.offloaded is None:
+            return
+        for storage, nbytes, host in self.offloaded:
+            storage.resize_(nbytes)
+            if host is None:
+                storage.fill_(0)  # gradient buffers are zeroed before each step anyway
+            else:
+                storage.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        self.offloaded = None
+
     # ---- forward / backward ------------------------------------------------------------
     def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Token-aligned logprobs [b, S]: position t holds log p(input_ids[t] | input_ids[:t]);
@@ -130,61 +198,66 @@ class MegatronPolicyWorker:
         device = torch.cuda.current_device() if ON_GPU else "cpu"
 
         def forward_step(data_iterator: Iterator[Batch], model):
-            mb = next(data_iterator)
-            tokens = mb["input_ids"].to(device)
-            positions = torch.arange(seq_len, device=device).unsqueeze(0).expand_as(tokens)
-            logits = model(tokens, positions, None)
-            return logits, partial(loss_fn, micro_batch=Batch({k: v.to(device) for k, v in mb.tensors.items()}))
+            mb = Batch({k: v.to(device) for k, v in next(data_iterator).tensors.items()})
+            tokens = mb["input_ids"]
+            if "segment_ids" in mb:  # packed rows: attention stays inside each sequence
+                positions, attention_mask = mb["position_ids"], packed_attention_mask(mb["segment_ids"])
+            else:  # right-padded rows: the default causal mask is exact
+                positions, attention_mask = torch.arange(seq_len, device=device).expand_as(tokens), None
+            output = model(tokens, positions, attention_mask)
+            return output, partial(loss_fn, micro_batch=mb)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=micro_batches, model=chunks,
             num_microbatches=num_micro, seq_length=seq_len, micro_batch_size=len(batch) // num_micro,
             forward_only=forward_only)
 
-    def _logprobs_with(self, batch: Batch, chunks: list) -> torch.Tensor | None:
-        def loss_fn(logits, micro_batch):
-            lp = self._token_logprobs(logits, micro_batch["input_ids"])
-            return torch.zeros((), device=lp.device), {"logprobs": lp.detach().cpu()}
+    def _head_output(self, output: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token-aligned [b, S]: logprobs for the policy; for the critic, position t holds the
+        value of the state before token t (the prefix input_ids[:t]), aligned like the logprobs."""
+        if self.head == "lm":
+            return self._token_logprobs(output, input_ids)
+        return torch.nn.functional.pad(output[:, :-1, 0].float(), (1, 0))
 
+    def _forward_with(self, batch: Batch, chunks: list) -> torch.Tensor | None:
+        def loss_fn(output, micro_batch):
+            out = self._head_output(output, micro_batch["input_ids"])
+            return torch.zeros((), device=out.device), {"output": out.detach().cpu()}
+
+        self.wake()
         for chunk in chunks:
             chunk.eval()
         with torch.no_grad():
             outputs = self._run(batch, chunks, loss_fn, forward_only=True)
-        return torch.cat([o["logprobs"] for o in outputs]) if outputs else None
+        return torch.cat([o["output"] for o in outputs]) if outputs else None
 
-    def logprobs(self, batch: Batch) -> torch.Tensor | None:
-        return self._logprobs_with(batch, self.model)
+    def forward(self, batch: Batch) -> torch.Tensor | None:
+        """Token-aligned logprobs (policy) or values (critic) of every row."""
+        return self._forward_with(batch, self.model)
 
     def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
         if self.reference is None:
             raise RuntimeError("reference_logprobs called before init_reference")
-        return self._logprobs_with(batch, self.reference)
+        return self._forward_with(batch, self.reference)
 
-    def train(self, batch: Batch, totals: BatchTotals, loss: str,
-              policy_loss_cfg: ClippedPolicyLossConfig | None = None) -> dict | None:
-        """One optimizer step over this rank's shard of a mini-batch. loss: "policy" (clipped
-        surrogate on advantages) or "sft" (NLL on loss_mask). Returns summed metrics on output
-        ranks (None elsewhere); the controller sums them across DP ranks."""
+    def train(self, batch: Batch, totals: BatchTotals, objective: Callable) -> dict | None:
+        """One optimizer step over this rank's shard of a mini-batch, minimising
+        objective(head output, micro_batch, totals) (see algorithms/objectives.py). Returns summed
+        metrics on output ranks (None elsewhere); the controller sums them across DP ranks."""
         num_micro = max(len(batch) // self.cfg.micro_batch_size, 1)
         # Megatron divides each micro-batch loss by num_micro and DDP averages over DP; our losses
         # are already exact shares of the global batch loss, so undo both scalings.
         scale = num_micro * self.mpu.get_data_parallel_world_size()
 
-        def loss_fn(logits, micro_batch):
-            lp = self._token_logprobs(logits, micro_batch["input_ids"])
-            if loss == "sft":
-                mask = micro_batch["loss_mask"]
-                value, sums = nll_loss(lp, mask, totals)
-            else:
-                mask = micro_batch["response_mask"]
-                value, sums = clipped_policy_loss(
-                    lp, micro_batch["old_logprobs"], micro_batch["advantages"], mask, policy_loss_cfg, totals,
-                    micro_batch["reference_logprobs"] if "reference_logprobs" in micro_batch else None)
+        def loss_fn(output, micro_batch):
+            value, sums = objective(self._head_output(output, micro_batch["input_ids"]), micro_batch, totals)
             sums = {k: v.item() for k, v in sums.items()}
-            sums["entropy"] = (self._token_entropy(logits) * mask).sum().item()
+            if self.head == "lm":
+                sums["entropy"] = (self._token_entropy(output) * micro_batch[objective.mask_key]).sum().item()
             sums["loss"] = value.item()
             return value * scale, sums
 
+        self.wake()
         if self.optimizer is None:
             self.optimizer = self._build_optimizer(self.lr)
         for chunk in self.model:
@@ -204,6 +277,7 @@ class MegatronPolicyWorker:
     # ---- weights out -------------------------------------------------------------------
     def refit_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(hf_name, shape, dtype) in export order. Collective: call on every rank."""
+        self.wake()
         return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
                 for name, t in self.bridge.export_hf_weights(self.model)]
 
@@ -221,6 +295,7 @@ class MegatronPolicyWorker:
     # collective), then end_export. Buckets fill in export order, so bucket k is complete after
     # its tensors, and the plan is checked against what the bridge actually yields.
     def begin_export(self, plan: RefitPlan):
+        self.wake()
         self._plan, self._next_bucket = plan, 0
         self._exported = self.bridge.export_hf_weights(self.model)
         self._buffers: list = [None, None]  # double buffering: bucket k lives in slot k % 2
@@ -273,6 +348,7 @@ class MegatronPolicyWorker:
         return module
 
     def _optimizer_ready(self):
+        self.wake()
         if self.optimizer is None:
             self.optimizer = self._build_optimizer(self.lr)
         return self.optimizer
@@ -284,7 +360,7 @@ class MegatronPolicyWorker:
         from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        policy_dir = os.path.join(ckpt_dir, "policy")
+        policy_dir = os.path.join(ckpt_dir, self.name)
         optimizer = self._optimizer_ready()
         if self.rank == 0:
             os.makedirs(os.path.join(ckpt_dir, "rng"), exist_ok=True)
@@ -292,13 +368,13 @@ class MegatronPolicyWorker:
         dist.barrier()
         if save_format == "dist":
             model_state = self._inner_model().sharded_state_dict()
-            dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state)},
-                                    policy_dir)
+            dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(
+                model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, policy_dir)
         else:
             self.bridge.save_hf_weights(self.model, os.path.join(policy_dir, "hf"))
             torch.save(optimizer.state_dict(), os.path.join(policy_dir, f"optimizer_rank{self.rank}.pt"))
         torch.save({"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
-                    "lr": self.lr}, os.path.join(ckpt_dir, "rng", f"rank_{self.rank}.pt"))
+                    "lr": self.lr}, os.path.join(ckpt_dir, "rng", f"{self.name}_rank_{self.rank}.pt"))
         dist.barrier()
 
     def load_checkpoint(self, ckpt_dir: str, save_format: str):
@@ -306,19 +382,19 @@ class MegatronPolicyWorker:
         from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        policy_dir = os.path.join(ckpt_dir, "policy")
+        policy_dir = os.path.join(ckpt_dir, self.name)
         optimizer = self._optimizer_ready()
         if save_format == "dist":
             model_state = self._inner_model().sharded_state_dict()
             loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer.sharded_state_dict(
-                model_state, is_loading=True)}, policy_dir)
+                model_state, is_loading=True, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, policy_dir)
             self._inner_model().load_state_dict(loaded["model"])
             optimizer.load_state_dict(loaded["optimizer"])
         else:
             self.bridge.load_hf_weights(self.model, os.path.join(policy_dir, "hf"))
             optimizer.load_state_dict(torch.load(os.path.join(policy_dir, f"optimizer_rank{self.rank}.pt"),
                                                  weights_only=False))
-        rng_file = os.path.join(ckpt_dir, "rng", f"rank_{self.rank}.pt")
+        rng_file = os.path.join(ckpt_dir, "rng", f"{self.name}_rank_{self.rank}.pt")
         if os.path.exists(rng_file):  # absent when resuming onto more ranks than were saved
             rng = torch.load(rng_file, weights_only=False)
             torch.set_rng_state(rng["torch"])
@@ -328,11 +404,13 @@ class MegatronPolicyWorker:
 
     def export_hf_weights(self) -> dict[str, torch.Tensor] | None:
         """All HF-named weights on rank 0 (tests and verification). Collective."""
+        self.wake()
         weights = {n: t.detach().cpu().clone() for n, t in self.bridge.export_hf_weights(self.model)}
         return weights if self.rank == 0 else None
 
     def save_hf(self, out_dir: str):
         """Write an HF checkpoint (weights through the bridge, plus config and tokenizer). Collective."""
+        self.wake()
         self.bridge.save_hf_weights(self.model, out_dir)
         if self.rank == 0:
             from transformers import AutoTokenizer

@@ -1,0 +1,70 @@
+"""The loop every algorithm shares: steps, validation, metrics, checkpoints and resume. An
+algorithm supplies a Trainer; the loop never looks inside a step."""
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from omegaconf import DictConfig
+
+from rlkit.checkpoint import CheckpointManager
+from rlkit.cluster.worker_group import WorkerError
+from rlkit.config.schema import RootConfig
+from rlkit.data.rollout import PromptStream
+from rlkit.observability.metrics import MetricsLogger, console_line
+
+log = logging.getLogger("rlkit")
+
+
+@dataclass
+class RunResult:
+    history: list[dict]  # metrics of every step (step 0: validation before training)
+    run_dir: Path
+
+
+class Trainer(Protocol):
+    def step(self, rows: list, step: int) -> dict: ...
+
+    def validate(self) -> dict: ...
+
+    def save(self, checkpoint_dir: str) -> None:
+        """Every model's weights, optimizer state and RNG into checkpoint_dir. Collective."""
+
+    def load(self, checkpoint_dir: str) -> None: ...
+
+
+def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: PromptStream,
+              checkpoints: CheckpointManager, logger: MetricsLogger, resume_from: Path | None) -> RunResult:
+    """Steps 1..algorithm.num_steps (after the checkpoint's step when resuming), validating before
+    the first and every algorithm.val_every, checkpointing every checkpoint.every and at the end."""
+    a = cfg.algorithm
+    state = CheckpointManager.controller_state(resume_from) if resume_from else None
+    if state is not None:
+        log.info("resuming from %s: continuing after step %d", resume_from, state["step"])
+        trainer.load(str(resume_from))
+        rows.restore(state["rows"])
+    else:
+        start = time.perf_counter()
+        metrics = trainer.validate()
+        logger.log(0, {**metrics, "timing/step": time.perf_counter() - start})
+        log.info("before training: %s", ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("val/")))
+    first = state["step"] + 1 if state else 1
+    started = time.perf_counter()
+    for step in range(first, a.num_steps + 1):
+        try:
+            metrics = trainer.step(next(rows), step)
+            if step % a.val_every == 0 or step == a.num_steps:
+                metrics.update(trainer.validate())
+            logger.log(step, metrics)
+            log.info(console_line(step, a.num_steps, metrics, (time.perf_counter() - started) / (step - first + 1)))
+            every = cfg.checkpoint.every
+            if (every and step % every == 0) or step == a.num_steps:
+                checkpoints.save(step, trainer.save, {"step": step, "rows": rows.state()}, resolved)
+        except WorkerError as e:
+            last = checkpoints.complete()
+            raise WorkerError(f"step {step}: {e}\nThe last complete checkpoint is "
+                              f"{last[-1] if last else 'none'}; rerun the same command to resume "
+                              f"(checkpoint.resume=auto).") from None
+    return RunResult(logger.history, logger.run_dir)

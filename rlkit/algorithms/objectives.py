@@ -1,0 +1,73 @@
+"""What a worker's train step minimises. Each objective binds one pure loss from losses.py to the
+Batch fields it reads; the worker stays loss-agnostic and calls `objective(output, micro_batch,
+totals)` on its model's output: token-aligned logprobs [b, S] for a policy, values [b, S] for a
+critic. Objectives are frozen dataclasses, so they travel to Ray workers as plain data.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from rlkit.algorithms.losses import (BatchTotals, ClippedPolicyLossConfig, DPOLossConfig, aggregate,
+                                     clipped_policy_loss, dpo_loss, nll_loss, sequence_logprobs, value_loss)
+from rlkit.data.batch import Batch
+
+
+@dataclass(frozen=True)
+class PolicyGradient:
+    """Clipped surrogate on advantages (GRPO, PPO's actor, REINFORCE++, RLOO)."""
+
+    loss: ClippedPolicyLossConfig
+    mask_key: str = "response_mask"
+
+    def __call__(self, logprobs: torch.Tensor, batch: Batch, totals: BatchTotals):
+        return clipped_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch[self.mask_key],
+                                   self.loss, totals, batch["reference_logprobs"] if "reference_logprobs" in batch
+                                   else None)
+
+
+@dataclass(frozen=True)
+class NextTokenNLL:
+    """Supervised fine-tuning: NLL on the tokens of loss_mask."""
+
+    mask_key: str = "loss_mask"
+
+    def __call__(self, logprobs: torch.Tensor, batch: Batch, totals: BatchTotals):
+        return nll_loss(logprobs, batch[self.mask_key], totals)
+
+
+@dataclass(frozen=True)
+class DirectPreference:
+    """DPO / IPO on pairs. Rows alternate chosen, rejected (every split of the batch is even, so a
+    pair never straddles two micro-batches); totals.num_sequences counts pairs with a response and
+    totals.num_tokens counts chosen response tokens (the optional SFT term's denominator)."""
+
+    loss: DPOLossConfig
+    mask_key: str = "loss_mask"
+
+    def __call__(self, logprobs: torch.Tensor, batch: Batch, totals: BatchTotals):
+        mask, average = batch[self.mask_key], self.loss.loss_type == "ipo"
+        policy = sequence_logprobs(logprobs, mask, average)
+        reference = sequence_logprobs(batch["reference_logprobs"], mask, average)
+        per_pair, metrics = dpo_loss(policy[0::2], policy[1::2], reference[0::2], reference[1::2], self.loss)
+        real = (mask[0::2].sum(dim=1) > 0).float()  # all-padding pairs (batch filler) count for nothing
+        loss = (per_pair * real).sum() / max(totals.num_sequences, 1.0)
+        if self.loss.sft_weight > 0:
+            loss = loss + self.loss.sft_weight * aggregate(-logprobs[0::2], mask[0::2], "token-mean", totals)
+        sums = {k: (v * real).sum().detach() for k, v in metrics.items()}
+        sums["chosen_logprob"] = (policy[0::2] * real).sum().detach()
+        sums["rejected_logprob"] = (policy[1::2] * real).sum().detach()
+        return loss, sums
+
+
+@dataclass(frozen=True)
+class ValueRegression:
+    """The critic's clipped value loss against returns (PPO)."""
+
+    clip: float
+    aggregation: str
+    mask_key: str = "response_mask"
+
+    def __call__(self, values: torch.Tensor, batch: Batch, totals: BatchTotals):
+        return value_loss(values, batch["old_values"], batch["returns"], batch[self.mask_key], self.clip,
+                          self.aggregation, totals)

@@ -1,0 +1,78 @@
+"""PPO with a learned critic: GRPO's step with a different estimator. The critic's values and the
+per-token rewards give GAE advantages (whitened over the batch) and returns; the critic then
+regresses the returns with a clipped value loss, and the policy takes the clipped surrogate step."""
+
+from pathlib import Path
+
+import torch
+
+from rlkit.algorithms.advantages import gae_advantages, whiten
+from rlkit.algorithms.grpo import GRPO
+from rlkit.algorithms.losses import batch_totals
+from rlkit.algorithms.objectives import ValueRegression
+from rlkit.cluster.setup import start_critic
+from rlkit.data.batch import Batch
+
+
+def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Tensor | None) -> torch.Tensor:
+    """[B, S] per-token rewards: each sample's reward on its last response token, minus the KL
+    penalty (already scaled) on every response token. Rows without response tokens get 0."""
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask.bool(), positions, -1).max(dim=1).values
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    has_response = last >= 0
+    out[has_response, last[has_response]] = rewards[has_response].float()
+    if kl_penalty is not None:
+        out = out - torch.where(mask.bool(), kl_penalty, torch.zeros_like(kl_penalty))
+    return out
+
+
+class PPO(GRPO):
+    def __init__(self, cfg, workers, tokenizer, envs, reference_dir: Path | None = None, val_rows=None):
+        super().__init__(cfg, workers, tokenizer, envs, reference_dir, val_rows)
+        # initialised from the checkpoint the policy starts from (after any warm start)
+        self.critic = start_critic(cfg, workers, str(reference_dir))
+        self.value_objective = ValueRegression(cfg.algorithm.critic.value_clip, cfg.algorithm.loss_aggregation)
+
+    def advantages(self, rollout: Batch, rewards: torch.Tensor) -> tuple[Batch, dict]:
+        a, mask = self.cfg.algorithm, rollout["response_mask"]
+        values = self.critic.values(rollout)
+        kl_penalty = a.kl_coef * (rollout["old_logprobs"] - rollout["reference_logprobs"]) \
+            if a.kl_coef > 0 and a.kl_mode == "reward" else None
+        advantages, returns = gae_advantages(token_rewards(rewards, mask, kl_penalty), values, mask, a.gamma, a.lam)
+        rollout = rollout.with_fields(advantages=whiten(advantages, mask), returns=returns, old_values=values)
+        return rollout, self.train_critic(rollout)
+
+    def train_critic(self, rollout: Batch) -> dict:
+        """One critic optimizer step per mini-batch, like the policy's."""
+        mask = rollout["response_mask"]
+        minibatches = rollout.select("input_ids", "response_mask", "returns", "old_values").split(
+            len(rollout) // self.cfg.policy.train_global_batch_size)
+        sums = {}
+        for minibatch in minibatches:
+            for k, v in self.critic.train(minibatch, batch_totals(minibatch["response_mask"]),
+                                          self.value_objective).items():
+                sums[k] = sums.get(k, 0.0) + v
+        tokens = max(mask.sum().item(), 1.0)
+        out = {"critic/value_loss": sums["loss"] / len(minibatches), "critic/grad_norm": sums["grad_norm"] / len(minibatches),
+               "critic/value_error": sums["value_error"] / tokens,
+               "critic/explained_variance": explained_variance(rollout["old_values"], rollout["returns"], mask)}
+        if "value_clipped_tokens" in sums:
+            out["critic/clip_fraction"] = sums["value_clipped_tokens"] / tokens
+        return out
+
+    def save(self, checkpoint_dir: str):
+        super().save(checkpoint_dir)
+        self.critic.call("save_checkpoint", checkpoint_dir, self.cfg.checkpoint.save_format)
+
+    def load(self, checkpoint_dir: str):
+        super().load(checkpoint_dir)
+        self.critic.call("load_checkpoint", checkpoint_dir, self.cfg.checkpoint.save_format)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over response tokens: 1 is a perfect critic, 0 no
+    better than a constant."""
+    m = mask.bool()
+    variance = returns[m].var()
+    return float(1.0 - (returns[m] - values[m]).var() / variance) if variance > 0 else 0.0
