@@ -117,4 +117,25 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
     return advantages, torch.where(keep, advantages + values, zero)
 
 
+def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Tensor | None) -> torch.Tensor:
+    """[B, S] per-token rewards: each sample's reward on its last response token, minus the KL
+    penalty (already scaled) on every response token. Rows without response tokens get 0."""
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask.bool(), positions, -1).max(dim=1).values
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    has_response = last >= 0
+    out[has_response, last[has_response]] = rewards[has_response].float()
+    if kl_penalty is not None:
+        out = out - torch.where(mask.bool(), kl_penalty, torch.zeros_like(kl_penalty))
+    return out
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over response tokens: 1 is a perfect critic, 0 no
+    better than a constant."""
+    m = mask.bool()
+    variance = returns[m].var()
+    return float(1.0 - (returns[m] - values[m]).var() / variance) if variance > 0 else 0.0
+
+
 ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages, "rloo": rloo_advantages}

@@ -6,25 +6,12 @@ from pathlib import Path
 
 import torch
 
-from rlkit.algorithms.advantages import gae_advantages, whiten
+from rlkit.algorithms.advantages import explained_variance, gae_advantages, token_rewards, whiten
 from rlkit.algorithms.grpo import GRPO
 from rlkit.algorithms.losses import batch_totals
 from rlkit.algorithms.objectives import ValueRegression
 from rlkit.cluster.setup import start_critic
 from rlkit.data.batch import Batch
-
-
-def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Tensor | None) -> torch.Tensor:
-    """[B, S] per-token rewards: each sample's reward on its last response token, minus the KL
-    penalty (already scaled) on every response token. Rows without response tokens get 0."""
-    positions = torch.arange(mask.shape[1]).expand_as(mask)
-    last = torch.where(mask.bool(), positions, -1).max(dim=1).values
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    has_response = last >= 0
-    out[has_response, last[has_response]] = rewards[has_response].float()
-    if kl_penalty is not None:
-        out = out - torch.where(mask.bool(), kl_penalty, torch.zeros_like(kl_penalty))
-    return out
 
 
 class PPO(GRPO):
@@ -68,11 +55,3 @@ class PPO(GRPO):
     def load(self, checkpoint_dir: str):
         super().load(checkpoint_dir)
         self.critic.call("load_checkpoint", checkpoint_dir, self.cfg.checkpoint.save_format)
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over response tokens: 1 is a perfect critic, 0 no
-    better than a constant."""
-    m = mask.bool()
-    variance = returns[m].var()
-    return float(1.0 - (returns[m] - values[m]).var() / variance) if variance > 0 else 0.0
