@@ -44,7 +44,7 @@ def load_examples(d: FileDataConfig, tokenize, synthetic_writer) -> tuple[list, 
             splits.append([])
             continue
         try:
-            splits.append([tokenize(row, f"{key}={path} row {i}") for i, row in enumerate(load_rows(path))])
+            splits.append([tokenize(row, f"{path} row {i}") for i, row in enumerate(load_rows(path))])
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"{key}: {e}") from None
     return splits[0], splits[1]

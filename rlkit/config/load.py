@@ -90,10 +90,11 @@ def _positive(*pairs):
 
 def validate(cfg: RootConfig) -> None:
     """Cross-key checks: what every run needs, then what its algorithm family needs."""
+    from rlkit.cluster.placement import PLACEMENTS
     from rlkit.models.tiny import ARCHITECTURES, parse_tiny
 
     p, a = cfg.policy, cfg.algorithm
-    _choice("cluster.placement", cfg.cluster.placement, _placements())
+    _choice("cluster.placement", cfg.cluster.placement, PLACEMENTS)
     _choice("policy.precision", p.precision, ("fp32", "bf16"))
     rl = a.name in RL_ALGORITHMS
     if rl:
@@ -139,11 +140,6 @@ def validate(cfg: RootConfig) -> None:
             raise ConfigError(f"algorithm.warm_start.batch_size: must be divisible by DP ({dp}) x "
                               f"policy.micro_batch_size ({p.micro_batch_size}) (got: {a.warm_start.batch_size}); "
                               f"set it to a multiple of {dp * p.micro_batch_size}")
-
-
-def _placements():
-    from rlkit.cluster.placement import PLACEMENTS
-    return PLACEMENTS
 
 
 def _validate_rollout_choices(cfg: RootConfig) -> None:

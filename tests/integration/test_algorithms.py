@@ -8,6 +8,7 @@ import statistics
 import pytest
 
 from rlkit.algorithms import run
+from rlkit.algorithms.loop import RunResult
 from rlkit.config.load import load_config
 
 pytestmark = pytest.mark.integration
@@ -17,10 +18,10 @@ pytestmark = pytest.mark.integration
 def train(ray_cluster, cache_dir, tmp_path_factory):
     outputs = tmp_path_factory.mktemp("algorithm_runs")
 
-    def train_recipe(recipe: str, *overrides: str) -> list[dict]:
+    def train_recipe(recipe: str, *overrides: str) -> RunResult:
         cfg, resolved = load_config(recipe, [f"run.cache_dir={cache_dir}", f"run.output_dir={outputs}",
                                              "checkpoint.every=0", *overrides])
-        return run(cfg, resolved).history
+        return run(cfg, resolved)
 
     return train_recipe
 
@@ -30,7 +31,7 @@ def mean(history: list[dict], key: str, steps: slice) -> float:
 
 
 def test_sft_validation_loss_falls(train):
-    history = train("sft_tiny_cpu", "algorithm.num_steps=60")
+    history = train("sft_tiny_cpu", "algorithm.num_steps=60").history
     first, last = history[0]["val/loss"], history[-1]["val/loss"]
     assert last < 0.5 * first, (first, last)
     # several chat-formatted examples share each packed row
@@ -38,14 +39,14 @@ def test_sft_validation_loss_falls(train):
 
 
 def test_dpo_preference_accuracy_passes_0_9(train):
-    history = train("dpo_tiny_cpu", "algorithm.num_steps=200")
+    history = train("dpo_tiny_cpu", "algorithm.num_steps=200").history
     assert mean(history, "train/preference_accuracy", slice(-20, None)) >= 0.9
     assert history[-1]["val/preference_accuracy"] > 0.7  # held-out pairs: well above chance (0.5)
     assert history[-1]["val/reward_margin"] > 0
 
 
 def test_ppo_reward_rises_while_value_loss_falls(train):
-    history = train("ppo_tiny_cpu", "algorithm.num_steps=30", "algorithm.val_every=30")
+    history = train("ppo_tiny_cpu", "algorithm.num_steps=30", "algorithm.val_every=30").history
     assert mean(history, "train/reward", slice(-10, None)) > mean(history, "train/reward", slice(0, 3)) + 0.05
     assert history[-1]["val/reward"] > history[0]["val/reward"]
     assert mean(history, "critic/value_loss", slice(-10, None)) < 0.5 * mean(history, "critic/value_loss", slice(0, 3))
@@ -53,6 +54,17 @@ def test_ppo_reward_rises_while_value_loss_falls(train):
 
 @pytest.mark.parametrize("recipe", ["reinforce_pp_tiny_cpu", "rloo_tiny_cpu"])
 def test_reinforce_pp_and_rloo_raise_the_reward(train, recipe):
-    history = train(recipe, "algorithm.num_steps=50", "algorithm.val_every=50")
+    history = train(recipe, "algorithm.num_steps=50", "algorithm.val_every=50").history
     assert mean(history, "train/reward", slice(-10, None)) > mean(history, "train/reward", slice(0, 10)) + 0.05
     assert history[-1]["val/reward"] > history[0]["val/reward"]
+
+
+def test_ppo_checkpoint_holds_the_critic_and_resumes(train):
+    """A PPO checkpoint has the critic beside the policy; rerunning continues after it, loading both."""
+    first = train("ppo_tiny_cpu", "algorithm.num_steps=2", "run.name=ppo_resume").history
+    resumed = train("ppo_tiny_cpu", "algorithm.num_steps=3", "run.name=ppo_resume")
+    assert [m["step"] for m in first] == [0, 1, 2]
+    assert [m["step"] for m in resumed.history] == [0, 1, 2, 3]  # steps 0-2 kept from the first run's log
+    assert resumed.history[:3] == first and "critic/value_loss" in resumed.history[3]
+    checkpoint = resumed.run_dir / "checkpoints" / "step_000003"
+    assert (checkpoint / "critic").is_dir() and (checkpoint / "policy").is_dir()

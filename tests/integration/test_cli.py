@@ -49,3 +49,23 @@ def test_verify_refit_reports_float_noise_on_cpu(tmp_path):
     assert float(report["refit/token_mult_prob_error"]) < 1.0001
     assert float(report["refit/logprob_abs_error_max"]) < 1e-4
     assert int(report["refit/tokens_compared"]) > 0
+
+
+@pytest.mark.parametrize("rows, message", [
+    (None, "data.train_path: {path}: no such file"),
+    ('{"prompt": "1+1=", "response": "2"}\n{"prompt": "2+2="}\n', "data.train_path: {path} row 1 lacks 'response'"),
+], ids=["missing-file", "row-without-response"])
+def test_bad_sft_data_is_one_error_naming_file_row_and_field(tmp_path, rows, message):
+    """Bad data fails before any worker starts, as one line naming the key, the file, the row and
+    the field; no run folder is left behind."""
+    path = tmp_path / "data.jsonl"
+    if rows is not None:
+        path.write_text(rows)
+    command = [sys.executable, "-m", "rlkit.cli", "train", "--config-name", "sft_tiny_cpu",
+               f"run.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'out'}",
+               f"data.train_path={path}", "data.val_path=null", "data.synthetic=null"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("rlkit: config error:")]
+    assert len(errors) == 1 and message.format(path=path) in errors[0], result.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
