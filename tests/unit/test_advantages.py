@@ -8,6 +8,7 @@ import torch
 
 from rlkit.algorithms.advantages import (ADVANTAGE_ESTIMATORS, gae_advantages, grpo_advantages,
                                         reinforce_pp_advantages, rloo_advantages, whiten)
+from token_masks import MASK, with_garbage
 
 EPS = 1e-6
 
@@ -105,22 +106,7 @@ def test_registry():
 
 # ---- token-level estimators: masks and loop references -----------------------------------------
 
-# token-aligned response masks, one row per sample; samples of one prompt adjacent
-MASK = torch.tensor([
-    [0, 0, 1, 1, 1, 1, 1, 1],  # prompt, then response to the end
-    [0, 0, 1, 1, 1, 0, 0, 0],  # prompt, response, trailing padding
-    [0, 1, 1, 0, 0, 1, 1, 0],  # multi-turn: observation tokens (a hole) inside the response
-    [0, 0, 0, 0, 0, 0, 0, 0],  # zero-length response
-    [1, 1, 1, 1, 1, 1, 1, 1],
-    [0, 0, 0, 1, 0, 0, 0, 0],  # single token
-], dtype=torch.float32)
 REWARDS = torch.tensor([1.0, -0.5, 0.3, 0.3, 2.0, 0.0])  # groups of 2: the second has equal rewards
-
-
-def with_garbage(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """values with nan / inf / -inf at the unmasked positions; results must not change."""
-    garbage = torch.tensor([float("nan"), float("inf"), float("-inf")]).repeat(values.numel() // 3 + 1)
-    return torch.where(mask.bool(), values, garbage[:values.numel()].view_as(values))
 
 
 def reference_whiten(values: list[list[float]], mask: list[list[float]], eps: float) -> list[list[float]]:

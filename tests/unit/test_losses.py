@@ -8,6 +8,7 @@ import torch
 from rlkit.algorithms.losses import (DPO_LOSS_TYPES, LOSS_AGGREGATIONS, BatchTotals, ClippedPolicyLossConfig,
                                      DPOLossConfig, aggregate, batch_totals, clipped_policy_loss, dpo_loss,
                                      entropy_from_logits, kl_k3, nll_loss, sequence_logprobs, value_loss)
+from token_masks import MASK, with_garbage
 
 
 def cfg(aggregation="token-mean", clip_low=0.2, clip_high=0.28, kl_coef=0.0):
@@ -248,22 +249,7 @@ def test_entropy_hand_values_and_dtype():
     assert entropy_from_logits(torch.zeros(2, 4, dtype=torch.bfloat16)).dtype == torch.float32
 
 
-# ---- masks with left padding, holes and empty rows ----------------------------------------------
-
-MASK = torch.tensor([
-    [0, 0, 1, 1, 1, 1, 1, 1],  # prompt, then response to the end
-    [0, 0, 1, 1, 1, 0, 0, 0],  # prompt, response, trailing padding
-    [0, 1, 1, 0, 0, 1, 1, 0],  # multi-turn: observation tokens (a hole) inside the response
-    [0, 0, 0, 0, 0, 0, 0, 0],  # zero-length response
-    [1, 1, 1, 1, 1, 1, 1, 1],
-    [0, 0, 0, 1, 0, 0, 0, 0],  # single token
-], dtype=torch.float32)
-
-
-def with_garbage(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """values with nan / inf / -inf at the unmasked positions; results must not change."""
-    garbage = torch.tensor([float("nan"), float("inf"), float("-inf")]).repeat(values.numel() // 3 + 1)
-    return torch.where(mask.bool(), values, garbage[:values.numel()].view_as(values))
+# ---- masks with left padding, holes and empty rows (token_masks.MASK) ----------------------------
 
 
 def ref_logsigmoid(x):
