@@ -71,17 +71,23 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logprobs)
+    keep = mask.bool()
+    # padding may hold inf: zero it before exp, or its NaN gradient would reach the weights
+    logprobs, old_logprobs, advantages = (torch.where(keep, x, torch.zeros_like(x))
+                                          for x in (logprobs, old_logprobs, advantages))
+    if reference_logprobs is not None:
+        reference_logprobs = torch.where(keep, reference_logprobs, torch.zeros_like(reference_logprobs))
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    sums = {"clipped_tokens": ((clipped < unclipped).float() * mask).sum().detach()}
+    sums = {"clipped_tokens": ((clipped < unclipped) & keep).float().sum().detach()}
     if cfg.kl_coef > 0:
         if reference_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference_logprobs")
         kl = kl_k3(logprobs, reference_logprobs)
         per_token = per_token + cfg.kl_coef * kl
-        sums["kl"] = (kl * mask).sum().detach()
+        sums["kl"] = torch.where(keep, kl, torch.zeros_like(kl)).sum().detach()
     return aggregate(per_token, mask, cfg.aggregation, totals), sums
 
 

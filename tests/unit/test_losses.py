@@ -434,3 +434,21 @@ def test_value_loss_padding_does_not_leak_into_gradient():
     assert dirty_loss.item() == clean_loss.item()
     torch.testing.assert_close(dirty.grad, clean.grad)
     assert (dirty.grad[~MASK.bool()] == 0).all()
+
+
+def test_clipped_policy_loss_padding_garbage_reaches_neither_loss_nor_gradient():
+    g = torch.Generator().manual_seed(3)
+    logprobs, old, reference = (-3 * torch.rand(MASK.shape, generator=g) for _ in range(3))
+    advantages = torch.randn(MASK.shape[0], generator=g)
+    cfg = ClippedPolicyLossConfig(0.2, 0.28, 0.1, "token-mean")
+    totals = BatchTotals(num_tokens=float(MASK.sum()), num_sequences=float(MASK.shape[0]))
+    results = []
+    for dirty in (False, True):
+        leaf = (with_garbage(logprobs, MASK) if dirty else logprobs.clone()).requires_grad_(True)
+        loss, sums = clipped_policy_loss(leaf, with_garbage(old, MASK) if dirty else old, advantages, MASK, cfg,
+                                         totals, with_garbage(reference, MASK) if dirty else reference)
+        loss.backward()
+        results.append((loss.item(), sums["kl"].item(), leaf.grad))
+    (clean_loss, clean_kl, clean_grad), (dirty_loss, dirty_kl, dirty_grad) = results
+    assert dirty_loss == pytest.approx(clean_loss) and dirty_kl == pytest.approx(clean_kl)
+    assert torch.isfinite(dirty_grad).all() and torch.allclose(dirty_grad, clean_grad)
