@@ -27,7 +27,7 @@ def _train(args) -> int:
 
 def _verify_refit(args) -> int:
     cfg, _ = load_config(args.config_name, args.overrides, Path(args.config_dir))
-    from rlkit.algorithms.grpo import run_verify_refit
+    from rlkit.algorithms.policy_gradient import run_verify_refit
 
     metrics = run_verify_refit(cfg, args.num_prompts)
     for key in ["refit/logprob_abs_error_mean", "refit/logprob_abs_error_max", "refit/token_mult_prob_error",

@@ -13,15 +13,10 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
     over-weights prompts whose rewards barely vary. std is the unbiased sample std.
     Groups with equal rewards get advantage 0. Returns [num_prompts * group_size].
     """
-    if group_size < 2 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size} (need group_size >= 2)")
-    grouped = rewards.float().view(-1, group_size)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    centered = _centered_groups(rewards, group_size)
     if normalize_std:
-        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
-    # float rounding of the mean would otherwise give equal-reward groups a tiny shared advantage
-    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(all_equal, torch.zeros_like(centered), centered).view(-1)
+        centered = centered / (rewards.float().view(-1, group_size).std(dim=1, keepdim=True) + eps)
+    return centered.view(-1)
 
 
 def _centered_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from pathlib import Path
 from rlkit.algorithms.losses import batch_totals
 from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.cluster.roles import PolicyGroup
+from rlkit.config.load import ConfigError
 from rlkit.config.schema import RootConfig
 from rlkit.data.rollout import PromptStream, supervised_batch
 from rlkit.models.resolve import cache_key
@@ -15,8 +16,8 @@ from rlkit.models.resolve import cache_key
 log = logging.getLogger("rlkit")
 
 
-def sft_steps(policy: PolicyGroup, tokenizer, dataset, steps: int, batch_size: int, lr: float, seed: int,
-              minibatch_size: int) -> list[float]:
+def sft_steps(policy: PolicyGroup, tokenizer, dataset, steps: int, batch_size: int, lr: float,
+              seed: int) -> list[float]:
     """`steps` optimizer steps of NLL on answer + EOS tokens. Returns the loss of each step."""
     rows = PromptStream(dataset, batch_size, seed)
     policy.call("set_learning_rate", lr)
@@ -26,10 +27,7 @@ def sft_steps(policy: PolicyGroup, tokenizer, dataset, steps: int, batch_size: i
         prompts = [tokenizer(r["prompt"])["input_ids"] for r in batch_rows]
         targets = [tokenizer(r["answer"])["input_ids"] + [tokenizer.eos_token_id] for r in batch_rows]
         batch = supervised_batch(prompts, targets, tokenizer.pad_token_id)
-        loss = 0.0
-        for minibatch in batch.split(len(batch) // minibatch_size):
-            loss += policy.train(minibatch, batch_totals(minibatch["loss_mask"]), NextTokenNLL())["loss"]
-        losses.append(loss / (len(batch) // minibatch_size))
+        losses.append(policy.train(batch, batch_totals(batch["loss_mask"]), NextTokenNLL())["loss"])
         if step % 10 == 0 or step == steps:
             log.info("warm start SFT step %d/%d: loss %.3f", step, steps, losses[-1])
     return losses
@@ -46,7 +44,8 @@ def cached_warm_start(policy: PolicyGroup, out_dir: Path, train) -> None:
     os.replace(tmp, out_dir)
 
 
-def warm_start_dir(cfg: RootConfig, model_dir: Path, *data_identity) -> tuple[Path, Path | None]:
+def warm_start_dir(cfg: RootConfig, model_dir: Path, resume_from: Path | None,
+                   *data_identity) -> tuple[Path, Path | None]:
     """(directory the policy starts from, warm-start directory still to be written or None).
     The cache key covers the model, the warm-start settings, the data section and data_identity
     (e.g. the data files' sizes and times), so a change to any of them trains a new warm start."""
@@ -58,4 +57,10 @@ def warm_start_dir(cfg: RootConfig, model_dir: Path, *data_identity) -> tuple[Pa
     if (warm_dir / "config.json").is_file():
         log.info("warm start: using the cached SFT checkpoint %s", warm_dir)
         return warm_dir, None
+    # a resumed run loads its weights from the checkpoint, but a reference (DPO's, or RL's KL
+    # anchor) retrained from scratch need not match the one the run started with
+    if resume_from is not None and (cfg.algorithm.name == "dpo" or cfg.algorithm.kl_coef > 0):
+        raise ConfigError(f"checkpoint.resume: resuming {resume_from} needs the warm-start checkpoint {warm_dir} "
+                          f"(the run's reference policy), and it is gone or its inputs changed "
+                          f"(run.cache_dir={cfg.run.cache_dir}); restore it or set checkpoint.resume=none")
     return model_dir, warm_dir

@@ -154,7 +154,7 @@ def run_supervised(cfg: RootConfig, resolved: DictConfig) -> RunResult:
     if dpo:
         train, val = load_examples(cfg.data, lambda row, where: tokenize_preference_row(tokenizer, row, where),
                                    lambda path, rows: write_arithmetic_preferences(path, rows, cfg.data.synthetic.seed))
-        start_dir, warm_dir = warm_start_dir(cfg, model_dir, *_file_identity(cfg.data.train_path))
+        start_dir, warm_dir = warm_start_dir(cfg, model_dir, resume_from, *_file_identity(cfg.data.train_path))
     else:
         train, val = load_examples(cfg.data, lambda row, where: tokenize_sft_row(tokenizer, row, where),
                                    lambda path, rows: write_arithmetic_sft(path, rows, chat=True))

@@ -139,10 +139,12 @@ class ValueHead(torch.nn.Module):
 
 
 def _attach_value_head(model, pre_process, post_process, config, hf_config):
+    # on every pipeline stage: with the flag left on, the first stage would wait for an embedding
+    # gradient all-reduce with a last stage that no longer takes part
+    model.share_embeddings_and_output_weights = False
     if post_process:
         model.output_layer = ValueHead(config.hidden_size, config.params_dtype).to(
             next(model.parameters()).device)
-        model.share_embeddings_and_output_weights = False  # the head no longer reuses the embedding
 
 
 def _unwrap(chunk):

@@ -1,10 +1,10 @@
-"""The controller's view of the two worker roles. Each method says how it dispatches."""
+"""The controller's view of the worker roles (policy, PPO's critic, generation). Each method
+says how it dispatches."""
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-
-from typing import Callable
 
 from rlkit.algorithms.losses import BatchTotals
 from rlkit.cluster.worker_group import WorkerGroup

@@ -1,6 +1,6 @@
 """Start the worker groups of a run on one placement group, and tear them down."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import ray
@@ -8,8 +8,6 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from rlkit.cluster.placement import Placement, plan_placement
 from rlkit.cluster.ray_cluster import connect, device_kind
-from dataclasses import replace
-
 from rlkit.cluster.roles import CriticGroup, GenerationGroup, PolicyGroup
 from rlkit.cluster.worker_group import WorkerGroup, rendezvous_address
 from rlkit.config.schema import RootConfig

@@ -131,9 +131,13 @@ def validate(cfg: RootConfig) -> None:
     if rl:
         _validate_rollout_transport(cfg)
     _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
+    if cfg.checkpoint.save_format == "hf" and p.use_distributed_optimizer:
+        raise ConfigError("checkpoint.save_format: hf keeps per-rank optimizer state, which the distributed optimizer "
+                          "does not expose that way, so a resume would restore stale weights; use "
+                          "checkpoint.save_format=dist (or policy.use_distributed_optimizer=false)")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
         raise ConfigError(f"checkpoint.every / checkpoint.keep_last: must be >= 0 (got: {cfg.checkpoint.every}, "
-                          f"{cfg.checkpoint.keep_last})")
+                          f"{cfg.checkpoint.keep_last}); 0 means only at the end / keep all")
     if rl:
         _validate_environment(cfg)
         if a.warm_start.sft_steps > 0 and a.warm_start.batch_size % (dp * p.micro_batch_size):
@@ -156,17 +160,35 @@ def _validate_rollout_choices(cfg: RootConfig) -> None:
     _choice("algorithm.loss_aggregation", cfg.algorithm.loss_aggregation, LOSS_AGGREGATIONS)
     if cfg.algorithm.name == "ppo":
         _choice("algorithm.kl_mode", cfg.algorithm.kl_mode, ("reward", "loss"))
-    _choice("data.name", cfg.data.name, ("arithmetic",))
+    if cfg.data.name != "arithmetic":
+        raise ConfigError(f"data.name: RL algorithms read their prompts from data=arithmetic (got: "
+                          f"{cfg.data.name!r}); use data=arithmetic")
+
+
+def _validate_warm_start(a) -> None:
+    w = a.warm_start
+    if w.sft_steps < 0:
+        raise ConfigError(f"algorithm.warm_start.sft_steps: must be >= 0 (got: {w.sft_steps}); 0 skips the warm start")
+    _positive(("algorithm.warm_start.batch_size", w.batch_size))
+    if w.lr <= 0:
+        raise ConfigError(f"algorithm.warm_start.lr: must be > 0 (got: {w.lr}); e.g. 1e-3 for tiny models")
 
 
 def _validate_rl(cfg: RootConfig, dp: int) -> None:
     p, g, a = cfg.policy, cfg.generation, cfg.algorithm
-    _positive(("generation.num_workers", g.num_workers), ("algorithm.warm_start.batch_size", a.warm_start.batch_size),
-              ("algorithm.prompts_per_step", a.prompts_per_step), ("generation.max_new_tokens", g.max_new_tokens))
-    if a.warm_start.sft_steps < 0:
-        raise ConfigError(f"algorithm.warm_start.sft_steps: must be >= 0 (got: {a.warm_start.sft_steps}); "
-                          "0 skips the warm start")
-    needs_groups = a.name in ("grpo", "rloo")
+    _positive(("generation.num_workers", g.num_workers), ("algorithm.prompts_per_step", a.prompts_per_step),
+              ("generation.max_new_tokens", g.max_new_tokens))
+    _validate_warm_start(a)
+    # the trainer's logprobs are log_softmax(logits / T) over the full vocabulary: the sampler must
+    # draw from that same distribution, or every ratio in the loss is off-policy
+    if g.temperature <= 0 or g.top_p != 1.0 or g.top_k != 0:
+        raise ConfigError(f"generation.temperature / top_p / top_k: RL samples must come from the distribution the "
+                          f"trainer scores (got: {g.temperature}, {g.top_p}, {g.top_k}); use temperature > 0, "
+                          f"top_p=1.0, top_k=0 (greedy validation: algorithm.val_greedy=true)")
+    if a.kl_coef < 0 or not 0 < a.clip_low < 1 or a.clip_high <= 0:
+        raise ConfigError(f"algorithm.kl_coef / clip_low / clip_high: need kl_coef >= 0, 0 < clip_low < 1, "
+                          f"clip_high > 0 (got: {a.kl_coef}, {a.clip_low}, {a.clip_high}); e.g. 0.0, 0.2, 0.28")
+    needs_groups = a.name in ("grpo", "rloo") or (a.name == "reinforce_pp" and a.baseline)
     if a.group_size < (2 if needs_groups else 1):
         raise ConfigError(f"algorithm.group_size: {a.name.upper()} needs at least 2 samples per prompt to compare "
                           f"(got: {a.group_size}); set it to 2 or more" if needs_groups else
@@ -177,9 +199,10 @@ def _validate_rl(cfg: RootConfig, dp: int) -> None:
                           f"x algorithm.group_size = {rollout} (got: {p.train_global_batch_size}); pick a divisor of {rollout}")
     if a.name == "ppo":
         if not (0 <= a.gamma <= 1 and 0 <= a.lam <= 1):
-            raise ConfigError(f"algorithm.gamma / algorithm.lam: must lie in [0, 1] (got: {a.gamma}, {a.lam})")
+            raise ConfigError(f"algorithm.gamma / algorithm.lam: must lie in [0, 1] (got: {a.gamma}, {a.lam}); "
+                              f"the usual values are 1.0 and 0.95")
         if a.critic.lr <= 0:
-            raise ConfigError(f"algorithm.critic.lr: must be > 0 (got: {a.critic.lr})")
+            raise ConfigError(f"algorithm.critic.lr: must be > 0 (got: {a.critic.lr}); e.g. the policy's learning rate")
 
 
 def _validate_supervised(cfg: RootConfig) -> None:
@@ -198,10 +221,12 @@ def _validate_supervised(cfg: RootConfig) -> None:
         if not 0 <= a.label_smoothing < 0.5:
             raise ConfigError(f"algorithm.label_smoothing: must lie in [0, 0.5) (got: {a.label_smoothing}); "
                               f"0 is plain DPO")
-        if a.warm_start.sft_steps < 0:
-            raise ConfigError(f"algorithm.warm_start.sft_steps: must be >= 0 (got: {a.warm_start.sft_steps}); "
-                              "0 skips the warm start")
-        _positive(("algorithm.warm_start.batch_size", a.warm_start.batch_size))
+        if a.loss_type == "ipo" and a.label_smoothing > 0:
+            raise ConfigError(f"algorithm.label_smoothing: applies to the sigmoid loss only (got: {a.label_smoothing} "
+                              f"with loss_type=ipo); set it to 0 or use loss_type=sigmoid")
+        if a.sft_weight < 0:
+            raise ConfigError(f"algorithm.sft_weight: must be >= 0 (got: {a.sft_weight}); 0 disables the SFT term")
+        _validate_warm_start(a)
         if p.micro_batch_size % 2:
             raise ConfigError(f"policy.micro_batch_size: DPO keeps each chosen/rejected pair in one micro-batch, "
                               f"so it must be even (got: {p.micro_batch_size})")
@@ -230,7 +255,7 @@ def _validate_rollout_transport(cfg: RootConfig) -> None:
         raise ConfigError("refit.transport: nccl needs cluster.placement=disaggregated (policy and vLLM on "
                           "different GPUs); use refit=cuda_ipc when colocated")
     if cfg.refit.bucket_mb <= 0:
-        raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb})")
+        raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb}); e.g. 512 on GPUs")
 
 
 def _validate_environment(cfg: RootConfig) -> None:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rlkit.algorithms.grpo import run_policy_gradient
+from rlkit.algorithms.policy_gradient import run_policy_gradient
 
 COLOCATED = ["cluster.placement=colocated", "refit=cuda_ipc"]
 DISAGGREGATED = ["cluster.placement=disaggregated", "refit=nccl"]

@@ -16,7 +16,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlkit.algorithms.grpo import run_policy_gradient
+from rlkit.algorithms.policy_gradient import run_policy_gradient
 from rlkit.algorithms.losses import batch_totals
 from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.cluster.setup import start_workers

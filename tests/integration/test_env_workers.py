@@ -128,7 +128,7 @@ def test_readme_custom_environment_runs(tmp_path):
 def test_multi_turn_grpo_improves(ray_cluster, cache_dir, tmp_path):
     """recipes/grpo_tiny_cpu_multiturn.yaml as shipped: reward rises over its 60 steps
     (measured: validation reward 0.20 -> 0.37, training reward 0.25 -> 0.36 over 10-step means)."""
-    from rlkit.algorithms.grpo import run_policy_gradient
+    from rlkit.algorithms.policy_gradient import run_policy_gradient
     from rlkit.config.load import load_config
 
     cfg, resolved = load_config("grpo_tiny_cpu_multiturn", [f"run.cache_dir={cache_dir}",

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from rlkit.algorithms.grpo import run_policy_gradient
+from rlkit.algorithms.policy_gradient import run_policy_gradient
 
 pytestmark = pytest.mark.integration
 

@@ -267,7 +267,8 @@ class MegatronPolicyWorker:
         outputs = self._run(batch, self.model, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
-            raise RuntimeError(f"policy optimizer step failed on rank {self.rank} (non-finite gradients)")
+            raise RuntimeError(f"{self.name} optimizer step failed on rank {self.rank} (non-finite gradients); lower "
+                               f"its learning rate or optimizer.clip_grad, or look for inf/nan in the batch")
         if not outputs:
             return None
         metrics = {k: sum(o[k] for o in outputs) for k in outputs[0]}
@@ -360,19 +361,19 @@ class MegatronPolicyWorker:
         from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        policy_dir = os.path.join(ckpt_dir, self.name)
+        own_dir = os.path.join(ckpt_dir, self.name)
         optimizer = self._optimizer_ready()
         if self.rank == 0:
             os.makedirs(os.path.join(ckpt_dir, "rng"), exist_ok=True)
-            os.makedirs(policy_dir, exist_ok=True)
+            os.makedirs(own_dir, exist_ok=True)
         dist.barrier()
         if save_format == "dist":
             model_state = self._inner_model().sharded_state_dict()
             dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(
-                model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, policy_dir)
+                model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir)
         else:
-            self.bridge.save_hf_weights(self.model, os.path.join(policy_dir, "hf"))
-            torch.save(optimizer.state_dict(), os.path.join(policy_dir, f"optimizer_rank{self.rank}.pt"))
+            self.bridge.save_hf_weights(self.model, os.path.join(own_dir, "hf"))
+            torch.save(optimizer.state_dict(), os.path.join(own_dir, f"optimizer_rank{self.rank}.pt"))
         torch.save({"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
                     "lr": self.lr}, os.path.join(ckpt_dir, "rng", f"{self.name}_rank_{self.rank}.pt"))
         dist.barrier()
@@ -382,17 +383,17 @@ class MegatronPolicyWorker:
         from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        policy_dir = os.path.join(ckpt_dir, self.name)
+        own_dir = os.path.join(ckpt_dir, self.name)
         optimizer = self._optimizer_ready()
         if save_format == "dist":
             model_state = self._inner_model().sharded_state_dict()
             loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer.sharded_state_dict(
-                model_state, is_loading=True, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, policy_dir)
+                model_state, is_loading=True, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir)
             self._inner_model().load_state_dict(loaded["model"])
             optimizer.load_state_dict(loaded["optimizer"])
         else:
-            self.bridge.load_hf_weights(self.model, os.path.join(policy_dir, "hf"))
-            optimizer.load_state_dict(torch.load(os.path.join(policy_dir, f"optimizer_rank{self.rank}.pt"),
+            self.bridge.load_hf_weights(self.model, os.path.join(own_dir, "hf"))
+            optimizer.load_state_dict(torch.load(os.path.join(own_dir, f"optimizer_rank{self.rank}.pt"),
                                                  weights_only=False))
         rng_file = os.path.join(ckpt_dir, "rng", f"{self.name}_rank_{self.rank}.pt")
         if os.path.exists(rng_file):  # absent when resuming onto more ranks than were saved

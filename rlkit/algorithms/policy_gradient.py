@@ -1,4 +1,4 @@
-"""GRPO and its family (RLOO, REINFORCE++; PPO subclasses it in ppo.py): the controller.
+"""The RL controller: GRPO, RLOO and REINFORCE++ (PPO subclasses it in ppo.py).
 One step = refit -> generate -> reward -> logprobs -> advantages -> train."""
 
 import logging
@@ -38,7 +38,7 @@ def kl_in_loss(cfg: RootConfig) -> bool:
     return a.name in ("grpo", "rloo") or (a.name == "ppo" and a.kl_mode == "loss")
 
 
-class GRPO:
+class PolicyGradientTrainer:
     """The pieces a step needs, set up once."""
 
     def __init__(self, cfg: RootConfig, workers: Workers, tokenizer, envs: EnvGroup | None,
@@ -59,21 +59,22 @@ class GRPO:
                                     transfer_dtype="bfloat16" if g.precision == "bf16" else None,
                                     keep_fp32=tuple(cfg.refit.keep_fp32))
         self.transport = TRANSPORTS[cfg.refit.transport](self.policy, self.generation, workers.placement_group)
-        self.weights_stale = True  # generation workers start with random weights
-        self.colocated = cfg.cluster.placement == "colocated"
+        self.weights_stale = True  # the generation workers do not hold the policy's starting weights yet
+        # models that leave the GPU to a colocated vLLM while it generates (PPO adds its critic)
+        self.sleepers = [self.policy] if cfg.cluster.placement == "colocated" else []
 
     def refit(self) -> dict:
         """Push the policy's weights into the generation workers if training changed them; then
-        (colocated on GPU) the policy sleeps, leaving the memory to the generation engines."""
+        (colocated on GPU) the trained models sleep, leaving the memory to the generation engines."""
         self.generation.call("wake", "weights")
         metrics = {}
         if self.weights_stale:
             metrics = self.transport(self.plan, self.cfg.refit.verify_checksums)
             self.weights_stale = False
-        if self.colocated:
-            freed = sum(self.policy.call("sleep"))
+        for model in self.sleepers:
+            freed = sum(model.call("sleep"))
             if freed:
-                metrics["memory/policy_offloaded_gb"] = freed / 1e9
+                metrics[f"memory/{model.workers.role}_offloaded_gb"] = freed / 1e9
         self.generation.call("wake")  # the KV cache, now that the policy's memory is free
         return metrics
 
@@ -150,6 +151,7 @@ class GRPO:
         params = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0}) if self.cfg.algorithm.val_greedy \
             else self.sampling
         episodes = self.episodes(self.val_rows, params)
+        self.generation.call("sleep")  # what follows (training, a checkpoint) needs the policy's memory
         accuracy = {} if episodes.correct is None else {"val/accuracy": episodes.correct.float().mean().item()}
         return {**refit_metrics, "val/reward": episodes.rewards.mean().item(), **accuracy}
 
@@ -169,11 +171,7 @@ def run_policy_gradient(cfg: RootConfig, resolved: DictConfig) -> RunResult:
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir)
     resume_from = checkpoints.to_resume()
     train_set, val_set = arithmetic_splits(cfg.data)
-    reference_dir, warm_dir = warm_start_dir(cfg, resolve_model_dir(cfg))
-    if resume_from is not None and warm_dir is not None and cfg.algorithm.kl_coef > 0:
-        raise FileNotFoundError(f"resuming {resume_from} needs the warm-start checkpoint {warm_dir} as the KL "
-                                f"reference, and it is gone (run.cache_dir={cfg.run.cache_dir}); restore it or "
-                                f"set checkpoint.resume=none")
+    reference_dir, warm_dir = warm_start_dir(cfg, resolve_model_dir(cfg), resume_from)
     tokenizer = AutoTokenizer.from_pretrained(reference_dir)
     ppo = cfg.algorithm.name == "ppo"
     workers = start_workers(cfg, str(reference_dir), with_critic=ppo)
@@ -186,12 +184,11 @@ def run_policy_gradient(cfg: RootConfig, resolved: DictConfig) -> RunResult:
             log.info("warm start: the random-init model cannot earn reward yet; running %d SFT steps with "
                      "rlkit's trainer, cached in %s", w.sft_steps, warm_dir)
             cached_warm_start(workers.policy, warm_dir, lambda: sft_steps(
-                workers.policy, tokenizer, train_set, w.sft_steps, w.batch_size, w.lr, cfg.run.seed,
-                minibatch_size=w.batch_size))
+                workers.policy, tokenizer, train_set, w.sft_steps, w.batch_size, w.lr, cfg.run.seed))
             workers.policy.call("reset_optimizer")
             reference_dir = warm_dir
         envs = EnvGroup(cfg.env, cfg.env_runner)
-        trainer = (PPO if ppo else GRPO)(cfg, workers, tokenizer, envs, reference_dir, val_set)
+        trainer = (PPO if ppo else PolicyGradientTrainer)(cfg, workers, tokenizer, envs, reference_dir, val_set)
         prompts = PromptStream(train_set, cfg.algorithm.prompts_per_step, cfg.run.seed)
         return run_steps(cfg, resolved, trainer, prompts, checkpoints, logger, resume_from)
     finally:
@@ -208,13 +205,14 @@ def run_verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
     model_dir = resolve_model_dir(cfg)
     workers = start_workers(cfg, str(model_dir))
     try:
-        grpo = GRPO(cfg, workers, AutoTokenizer.from_pretrained(model_dir), envs=None)
-        metrics = grpo.refit()
-        prompt_ids = grpo.encode(val_set[:num_prompts])
-        generations = grpo.generation.generate(prompt_ids, grpo.sampling)
-        rollout = rollout_batch(prompt_ids, generations, grpo.tokenizer.pad_token_id)
+        trainer = PolicyGradientTrainer(cfg, workers, AutoTokenizer.from_pretrained(model_dir), envs=None,
+                                        reference_dir=model_dir)
+        metrics = trainer.refit()
+        prompt_ids = trainer.encode(val_set[:num_prompts])
+        generations = trainer.generation.generate(prompt_ids, trainer.sampling)
+        rollout = rollout_batch(prompt_ids, generations, trainer.tokenizer.pad_token_id)
         rollout = rollout.slice(0, len(rollout) - len(rollout) % workers.policy.layout.dp_size)
-        train_logprobs = grpo.policy.logprobs(rollout)
+        train_logprobs = trainer.policy.logprobs(rollout)
         metrics.update(logprob_error(train_logprobs, rollout["generation_logprobs"], rollout["response_mask"]))
         metrics["refit/tokens_compared"] = int(rollout["response_mask"].sum())
         return metrics
