@@ -16,10 +16,14 @@ from rlkit.cluster.worker_group import rendezvous_address
 from rlkit.refit.plan import RefitPlan
 
 
-def _metrics(plan: RefitPlan, start: float) -> dict:
+def _metrics(plan: RefitPlan, start: float, policy: PolicyGroup) -> dict:
+    """Time and throughput of the whole refit, and the sender's share of it (policy rank 0's
+    host seconds in the bridge export and in packing; the rest is transport and loading)."""
     seconds = time.perf_counter() - start
+    sender = policy.rank0("export_seconds")
     return {"refit/seconds": seconds, "refit/gbytes_per_s": plan.total_bytes / seconds / 1e9,
-            "refit/buckets": len(plan.buckets)}
+            "refit/buckets": len(plan.buckets), "refit/export_host_s": sender["export"],
+            "refit/pack_host_s": sender["pack"]}
 
 
 class ObjectStoreTransport:
@@ -43,7 +47,7 @@ class ObjectStoreTransport:
             self.policy.workers.wait(list(stream), "stream_refit_buckets", ranks=[rank])
         self.generation.workers.wait(loads, "load_bucket", ranks=owners)
         self.generation.call("end_refit")
-        return _metrics(plan, start)
+        return _metrics(plan, start, self.policy)
 
 
 class CudaIpcTransport:
@@ -69,7 +73,7 @@ class CudaIpcTransport:
             gen.wait(in_flight.popleft(), "load_ipc_bucket")
         self.policy.call("end_export")
         self.generation.call("end_refit")
-        return _metrics(plan, start)
+        return _metrics(plan, start, self.policy)
 
 
 class NcclTransport:
@@ -99,7 +103,7 @@ class NcclTransport:
             self.generation.workers.wait(refs, "receive_broadcast_bucket")
         self.policy.call("end_export")
         self.generation.call("end_refit")
-        return _metrics(plan, start)
+        return _metrics(plan, start, self.policy)
 
 
 TRANSPORTS = {"cpu": ObjectStoreTransport, "cuda_ipc": CudaIpcTransport, "nccl": NcclTransport}

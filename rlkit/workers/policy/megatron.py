@@ -7,6 +7,7 @@ from the output ranks (TP rank 0 on the last pipeline stage) of each DP group.
 """
 
 import os
+import time
 from datetime import timedelta
 from functools import partial
 from typing import Callable, Iterator
@@ -300,10 +301,15 @@ class MegatronPolicyWorker:
         self._plan, self._next_bucket = plan, 0
         self._exported = self.bridge.export_hf_weights(self.model)
         self._buffers: list = [None, None]  # double buffering: bucket k lives in slot k % 2
+        # host seconds in the bridge's export and in packing (kernels may still run after them):
+        # where a refit's time goes on the sending side
+        self._export_seconds = {"export": 0.0, "pack": 0.0}
 
     def _pack_next(self, with_checksum: bool) -> PackedBucket:
         bucket = self._plan.buckets[self._next_bucket]
+        start = time.perf_counter()
         tensors = dict(next(self._exported) for _ in bucket.slots)  # the plan follows export order
+        exported = time.perf_counter()
         expected = {s.name for s in bucket.slots}
         if set(tensors) != expected:
             raise RuntimeError(f"refit: export order differs from the plan at {bucket.describe()}: got "
@@ -311,7 +317,13 @@ class MegatronPolicyWorker:
         self._next_bucket += 1
         packed = self._plan.pack(bucket.index, tensors, with_checksum)
         self._buffers[bucket.index % 2] = packed.buffer
+        self._export_seconds["export"] += exported - start
+        self._export_seconds["pack"] += time.perf_counter() - exported
         return packed
+
+    def export_seconds(self) -> dict[str, float]:
+        """Host seconds the last refit export spent in the bridge's export and in packing."""
+        return dict(self._export_seconds)
 
     def next_bucket_ipc(self, with_checksum: bool) -> dict:
         """Pack the next bucket on this rank's GPU; return a CUDA IPC handle to it. The buffer
