@@ -13,7 +13,7 @@ from rlkit.algorithms.loop import RunResult, run_steps
 from rlkit.algorithms.losses import ClippedPolicyLossConfig, batch_totals
 from rlkit.algorithms.objectives import PolicyGradient
 from rlkit.algorithms.rollout import Rollout, run_episodes
-from rlkit.algorithms.sft import cached_warm_start, sft_steps, warm_start_dir
+from rlkit.algorithms.warm_start import cached_warm_start, sft_steps, warm_start_dir
 from rlkit.checkpoint import CheckpointManager
 from rlkit.cluster.setup import Workers, start_workers
 from rlkit.config.schema import RootConfig

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from rlkit.algorithms.loop import RunResult, run_steps
 from rlkit.algorithms.losses import BatchTotals, DPOLossConfig, batch_totals, dpo_loss, sequence_logprobs
 from rlkit.algorithms.objectives import DirectPreference, NextTokenNLL
-from rlkit.algorithms.sft import cached_warm_start, warm_start_dir
+from rlkit.algorithms.warm_start import cached_warm_start, warm_start_dir
 from rlkit.checkpoint import CheckpointManager
 from rlkit.cluster.roles import PolicyGroup
 from rlkit.cluster.setup import start_workers
