@@ -89,12 +89,12 @@ def start_critic(cfg: RootConfig, workers: Workers, model_dir: str) -> CriticGro
 
 def _megatron_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, placement, device: str,
                     head: str) -> WorkerGroup:
-    from rlkit.workers.policy.megatron import MegatronPolicyWorker
+    from rlkit.workers.policy.megatron import MegatronModelWorker
 
     c = cfg.cluster
     master_addr, master_port = rendezvous_address(pg, placement.policy_bundles[0])
     return WorkerGroup(
-        role, MegatronPolicyWorker, pg, placement.policy_bundles, placement.share, device,
+        role, MegatronModelWorker, pg, placement.policy_bundles, placement.share, device,
         lambda rank: dict(cfg=model_cfg, model_dir=model_dir, rank=rank, world_size=model_cfg.num_workers,
                           master_addr=master_addr, master_port=master_port, seed=cfg.run.seed,
                           threads=c.threads_per_worker, collective_timeout_s=c.collective_timeout_s, head=head),

@@ -133,7 +133,7 @@ def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_
             time.sleep(0.05)
         # this test's own cluster: its live policy actors, by process id
         actors = ray._private.state.actors().values()
-        victim = next(a["Pid"] for a in actors if a["ActorClassName"] == "MegatronPolicyWorker"
+        victim = next(a["Pid"] for a in actors if a["ActorClassName"] == "MegatronModelWorker"
                       and a["State"] == "ALIVE")
         os.kill(victim, signal.SIGKILL)
 

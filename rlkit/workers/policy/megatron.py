@@ -27,7 +27,7 @@ ON_GPU = torch.cuda.is_available()
 OPTIMIZER_CHECKPOINT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-class MegatronPolicyWorker:
+class MegatronModelWorker:
     def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, master_addr: str,
                  master_port: int, seed: int, threads: int, collective_timeout_s: float, head: str = "lm"):
         torch.set_num_threads(threads)
