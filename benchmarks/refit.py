@@ -50,8 +50,8 @@ def measure(model_dir: Path, transport: str, rounds: int, bucket_mb: int) -> dic
     return {"transport": transport, "gbytes": plan.total_bytes / 1e9, "buckets": len(plan.buckets),
             "seconds": median, "gbytes_per_s": plan.total_bytes / median / 1e9,
             # the sender's host time (bridge export, packing); the rest is transport and vLLM's load
-            "export_host_s": statistics.median(r["refit/export_host_s"] for r in results),
-            "pack_host_s": statistics.median(r["refit/pack_host_s"] for r in results),
+            "export_host_s": statistics.median(r["timing/refit_export_host"] for r in results),
+            "pack_host_s": statistics.median(r["timing/refit_pack_host"] for r in results),
             "seconds_with_checksums": checked, "setup_s": setup_s}
 
 

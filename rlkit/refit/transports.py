@@ -22,8 +22,8 @@ def _metrics(plan: RefitPlan, start: float, policy: PolicyGroup) -> dict:
     seconds = time.perf_counter() - start
     sender = policy.rank0("export_seconds")
     return {"refit/seconds": seconds, "refit/gbytes_per_s": plan.total_bytes / seconds / 1e9,
-            "refit/buckets": len(plan.buckets), "refit/export_host_s": sender["export"],
-            "refit/pack_host_s": sender["pack"]}
+            "refit/buckets": len(plan.buckets), "timing/refit_export_host": sender["export"],
+            "timing/refit_pack_host": sender["pack"]}
 
 
 class ObjectStoreTransport:
