@@ -5,12 +5,11 @@ import logging
 import os
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from rlkit.algorithms.loop import RunResult, run_steps
-from rlkit.algorithms.losses import BatchTotals, DPOLossConfig, batch_totals, dpo_loss, sequence_logprobs
+from rlkit.algorithms.losses import BatchTotals, DPOLossConfig, batch_totals
 from rlkit.algorithms.objectives import DirectPreference, NextTokenNLL
 from rlkit.algorithms.warm_start import cached_warm_start, warm_start_dir
 from rlkit.checkpoint import CheckpointManager
@@ -81,9 +80,8 @@ class SFT:
         if not self.val_examples:
             return {}
         batch = self.batch(self.val_examples)
-        mask = batch["loss_mask"]
-        logprobs = self.policy.logprobs(batch)
-        return {"val/loss": -(torch.where(mask.bool(), logprobs, 0.0)).sum().item() / max(mask.sum().item(), 1.0)}
+        loss, _ = self.objective(self.policy.logprobs(batch), batch, batch_totals(batch["loss_mask"]))
+        return {"val/loss": loss.item()}
 
     def save(self, checkpoint_dir: str):
         self.policy.call("save_checkpoint", checkpoint_dir, self.cfg.checkpoint.save_format)
@@ -122,24 +120,25 @@ class DPO(SFT):
         batch = self.batch(pairs)
         totals = self.totals(batch)
         m = self.policy.train(batch, totals, self.objective)
-        n = max(totals.num_sequences, 1.0)
-        return {"train/loss": m["loss"], "train/grad_norm": m["grad_norm"],
-                "train/preference_accuracy": m["accuracy"] / n, "train/reward_margin": m["reward_margin"] / n,
-                "train/reward_chosen": m["reward_chosen"] / n, "train/reward_rejected": m["reward_rejected"] / n,
-                "train/chosen_logprob": m["chosen_logprob"] / n, "train/rejected_logprob": m["rejected_logprob"] / n}
+        return {"train/grad_norm": m["grad_norm"], **self.pair_metrics("train", m, totals)}
 
     def validate(self) -> dict:
+        """The training objective and its per-pair metrics on the validation pairs."""
         if not self.val_examples:
             return {}
         batch = self.batch(self.val_examples)
-        mask, average = batch["loss_mask"], self.loss.loss_type == "ipo"
-        has_response = mask[0::2].sum(1) > 0
-        policy = sequence_logprobs(self.policy.logprobs(batch), mask, average)
-        reference = sequence_logprobs(batch["reference_logprobs"], mask, average)
-        losses, metrics = dpo_loss(policy[0::2][has_response], policy[1::2][has_response],
-                                   reference[0::2][has_response], reference[1::2][has_response], self.loss)
-        return {"val/loss": losses.mean().item(), "val/preference_accuracy": metrics["accuracy"].mean().item(),
-                "val/reward_margin": metrics["reward_margin"].mean().item()}
+        totals = self.totals(batch)
+        loss, sums = self.objective(self.policy.logprobs(batch), batch, totals)
+        return self.pair_metrics("val", {"loss": loss.item(), **{k: v.item() for k, v in sums.items()}}, totals)
+
+    @staticmethod
+    def pair_metrics(split: str, sums: dict, totals: BatchTotals) -> dict:
+        """Loss, and per-pair means of the objective's sums (accuracy, margins, logprobs)."""
+        n = max(totals.num_sequences, 1.0)
+        means = {f"{split}/{'preference_accuracy' if k == 'accuracy' else k}": sums[k] / n
+                 for k in ("accuracy", "reward_margin", "reward_chosen", "reward_rejected", "chosen_logprob",
+                           "rejected_logprob")}
+        return {f"{split}/loss": sums["loss"], **means}
 
 
 def run_supervised(cfg: RootConfig, resolved: DictConfig) -> RunResult:
