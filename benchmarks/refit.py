@@ -5,7 +5,9 @@ next to the hardware limits measured in the same run.
 
 cuda_ipc: policy and vLLM colocated on GPU 0, ratio against device copy bandwidth.
 nccl:     policy on GPU 0, vLLM on GPU 1, ratio against NCCL broadcast bandwidth.
-A refit is the whole thing: bridge export from Megatron, packing, transport, vLLM load.
+A refit is the whole thing: export from Megatron, packing, transport, loading into vLLM.
+Each bucket size (--bucket-mb) is measured on the same workers after one refit that learns the
+plan through vLLM's own loader (reported as first_refit_s).
 """
 
 import argparse
@@ -24,35 +26,42 @@ TRANSPORTS = {"cuda_ipc": ["cluster.placement=colocated", "refit=cuda_ipc"],
               "nccl": ["cluster.placement=disaggregated", "refit=nccl"]}
 
 
-def measure(model_dir: Path, transport: str, rounds: int, bucket_mb: int) -> dict:
+def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int]) -> list[dict]:
+    """One set of workers per transport; every bucket size is its own plan on them."""
     from rlkit.cluster.setup import start_workers
     from rlkit.config.load import load_config
     from rlkit.refit.plan import RefitPlan
     from rlkit.refit.transports import TRANSPORTS as IMPLEMENTATIONS
 
     cfg, _ = load_config("grpo_tiny_gpu", [f"policy.model_path={model_dir}", *TRANSPORTS[transport],
-                                           f"refit.bucket_mb={bucket_mb}", "refit.verify_checksums=false",
-                                           "generation.vllm.max_model_len=1024",
+                                           "refit.verify_checksums=false", "generation.vllm.max_model_len=1024",
                                            "generation.vllm.gpu_memory_utilization=0.3"])
     start = time.perf_counter()
     workers = start_workers(cfg, str(model_dir))
     setup_s = time.perf_counter() - start
+    rows = []
     try:
-        plan = RefitPlan.build(workers.policy.rank0("refit_manifest"), bucket_mb << 20, transfer_dtype="bfloat16")
+        manifest = workers.policy.rank0("refit_manifest")
         refit = IMPLEMENTATIONS[transport](workers.policy, workers.generation, workers.placement_group)
         workers.generation.call("wake")
-        refit(plan, False)  # warm-up: allocator, communicator, first-touch
-        results = [refit(plan, False) for _ in range(rounds)]
-        checked = refit(plan, True)["refit/seconds"]  # with checksums on, for the record
+        for bucket_mb in bucket_mbs:
+            plan = RefitPlan.build(manifest, bucket_mb << 20, transfer_dtype="bfloat16")
+            learn_s = refit(plan, False)["refit/seconds"]  # the first refit of a plan goes through vLLM's loader
+            results = [refit(plan, False) for _ in range(rounds)]
+            checked = refit(plan, True)["refit/seconds"]  # with checksums on, for the record
+            median = statistics.median(r["refit/seconds"] for r in results)
+            rows.append({
+                "transport": transport, "bucket_mb": bucket_mb, "gbytes": plan.total_bytes / 1e9,
+                "buckets": len(plan.buckets), "seconds": median, "gbytes_per_s": plan.total_bytes / median / 1e9,
+                # the sender's host time (export, packing); the rest is transport and vLLM's side
+                "export_host_s": statistics.median(r["timing/refit_export_host"] for r in results),
+                "pack_host_s": statistics.median(r["timing/refit_pack_host"] for r in results),
+                "direct_export": results[-1]["refit/direct_export"],
+                "replayed_fraction": results[-1]["refit/replayed_fraction"],
+                "first_refit_s": learn_s, "seconds_with_checksums": checked, "setup_s": setup_s})
     finally:
         workers.shutdown()
-    median = statistics.median(r["refit/seconds"] for r in results)
-    return {"transport": transport, "gbytes": plan.total_bytes / 1e9, "buckets": len(plan.buckets),
-            "seconds": median, "gbytes_per_s": plan.total_bytes / median / 1e9,
-            # the sender's host time (bridge export, packing); the rest is transport and vLLM's load
-            "export_host_s": statistics.median(r["timing/refit_export_host"] for r in results),
-            "pack_host_s": statistics.median(r["timing/refit_pack_host"] for r in results),
-            "seconds_with_checksums": checked, "setup_s": setup_s}
+    return rows
 
 
 def main():
@@ -60,7 +69,7 @@ def main():
     parser.add_argument("--sizes", default="1.5b,7b")
     parser.add_argument("--transports", default="cuda_ipc,nccl")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--bucket-mb", default="512,2048", help="comma-separated; each is measured")
     parser.add_argument("--checkpoints", default=tempfile.gettempdir() + "/rlkit_bench")
     parser.add_argument("--out", default="refit.json")
     args = parser.parse_args()
@@ -75,18 +84,21 @@ def main():
         for transport in args.transports.split(","):
             if transport == "nccl" and limits["broadcast_gbytes_per_s"] is None:
                 continue
-            row = {"model": f"qwen3-{size}", **measure(model_dir, transport, args.rounds, args.bucket_mb)}
-            limit = limits["copy_gbytes_per_s" if transport == "cuda_ipc" else "broadcast_gbytes_per_s"]
-            row["limit_gbytes_per_s"], row["ratio"] = limit, row["gbytes_per_s"] / limit
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            bucket_mbs = [int(mb) for mb in args.bucket_mb.split(",")]
+            for row in measure(model_dir, transport, args.rounds, bucket_mbs):
+                limit = limits["copy_gbytes_per_s" if transport == "cuda_ipc" else "broadcast_gbytes_per_s"]
+                rows.append({"model": f"qwen3-{size}", **row, "limit_gbytes_per_s": limit,
+                             "ratio": row["gbytes_per_s"] / limit})
+                print(json.dumps(rows[-1]), flush=True)
             Path(args.out).write_text(json.dumps({"limits": limits, "rows": rows}, indent=1))
-    print("\n| model | transport | GB | buckets | refit s | of which export / pack (host) s | GB/s | limit GB/s | ratio |"
-          "\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | transport | bucket MB | GB | buckets | refit s | export / pack (host) s | GB/s | limit GB/s "
+          "| ratio |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['transport']} | {r['gbytes']:.2f} | {r['buckets']} | {r['seconds']:.3f} | "
-              f"{r['export_host_s']:.3f} / {r['pack_host_s']:.3f} | {r['gbytes_per_s']:.1f} | "
+        print(f"| {r['model']} | {r['transport']} | {r['bucket_mb']} | {r['gbytes']:.2f} | {r['buckets']} | "
+              f"{r['seconds']:.4f} | {r['export_host_s']:.4f} / {r['pack_host_s']:.4f} | {r['gbytes_per_s']:.1f} | "
               f"{r['limit_gbytes_per_s']:.0f} | {r['ratio']:.1%} |")
+    print("sender export direct:", {r["direct_export"] for r in rows},
+          "| vLLM load replayed:", {r["replayed_fraction"] for r in rows})
     ray.shutdown()
 
 

@@ -3,6 +3,7 @@ stream HF-named tensors back out. The rest of rlkit sees only `ModelBridge`."""
 
 import importlib.util
 import inspect
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -118,8 +119,64 @@ class ModelBridge:
                 return
             yield item
 
+    def export_rows(self, chunks: list) -> dict[str, list["RowPiece"]] | None:
+        """The export as row moves: for each HF tensor, in export order, the Megatron parameter
+        rows it is made of. Found by running a probe (every row holding its own index) through the
+        bridge's own conversion, so fused layouts (qkv, gate/up) and vocab padding come out exactly
+        as the bridge lays them out. Only where this rank holds every weight (TP=PP=EP=1, one
+        chunk); None otherwise, or where a conversion does more than move rows. The caller
+        checks the result against a real export before trusting it (see policy refit_manifest)."""
+        from megatron.core import parallel_state as mpu
+
+        if len(chunks) != 1 or max(mpu.get_tensor_model_parallel_world_size(),
+                                   mpu.get_pipeline_model_parallel_world_size(),
+                                   mpu.get_expert_model_parallel_world_size()) > 1:
+            return None
+        model = _unwrap(chunks[0])
+        to_global = self._bridge._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
+        if set(to_global) != {name for name, _ in model.named_parameters()}:
+            return None  # state beyond parameters (e.g. MoE expert bias) is exported too
+        rows: dict[str, list[RowPiece]] = {}
+        for local_name, param in model.named_parameters():
+            shape = tuple(param.shape) or (1,)
+            probe = torch.arange(shape[0], dtype=torch.int32).view(-1, *[1] * (len(shape) - 1)).expand(shape)
+            try:
+                names, outputs = self._bridge._weight_to_hf_format(to_global[local_name], probe)
+            except Exception:  # a conversion that computes (casts, arithmetic) rejects integer rows
+                return None
+            for name, out in zip(names, outputs):
+                if out.dtype != probe.dtype or tuple(out.shape[1:]) != shape[1:]:
+                    return None
+                row_ids = out.reshape(out.shape[0], -1)[:, 0].tolist() if out.dim() else [int(out)]
+                rows[name] = _runs(param, row_ids)
+        return rows
+
     def save_hf_weights(self, chunks: list, out_dir: str):
         self._bridge.save_weights(chunks, str(out_dir))
+
+
+@dataclass(frozen=True)
+class RowPiece:
+    """Rows [source_row, source_row + rows) of a Megatron parameter fill rows
+    [first_row, first_row + rows) of an exported HF tensor (a 0-d or 1-d one counts its elements)."""
+    param: torch.nn.Parameter
+    source_row: int
+    rows: int
+    first_row: int
+
+    def source(self) -> torch.Tensor:
+        # sliced at use, not kept as a view: whatever `param.data` is now is what gets sent
+        return self.param.detach().reshape(-1, *self.param.shape[1:])[self.source_row: self.source_row + self.rows]
+
+
+def _runs(param: torch.nn.Parameter, row_ids: list[int]) -> list[RowPiece]:
+    """Consecutive source rows merged into one piece each."""
+    pieces, start = [], 0
+    for i in range(1, len(row_ids) + 1):
+        if i == len(row_ids) or row_ids[i] != row_ids[i - 1] + 1:
+            pieces.append(RowPiece(param, row_ids[start], i - start, start))
+            start = i
+    return pieces
 
 
 class ValueHead(torch.nn.Module):

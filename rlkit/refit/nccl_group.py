@@ -3,10 +3,11 @@ generation worker, outside both sides' own process groups. Built on vLLM's state
 group and PyNccl so it needs no shared torch.distributed world."""
 
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
-from rlkit.refit.plan import Bucket, PackedBucket
+from rlkit.refit.plan import PackedBucket, RefitPlan
 
 
 class RefitGroup:
@@ -39,14 +40,31 @@ class RefitGroup:
             torch.cuda.current_stream().wait_event(self._sent[slot])
         self._sent[slot] = sent
 
-    def receive(self, bucket: Bucket) -> PackedBucket:
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
-        checksum = torch.empty(2, dtype=torch.int64, device=self.device)
-        stream = torch.cuda.current_stream()
-        self.comm.broadcast(buffer, src=0, stream=stream)
-        self.comm.broadcast(checksum, src=0, stream=stream)
-        present, value = checksum.tolist()  # synchronizes
-        return PackedBucket(bucket.index, buffer, value if present else None)
+    def receive_all(self, plan: RefitPlan, load: Callable[[PackedBucket], None], verify: bool):
+        """Receive every bucket of the plan on the side stream into two alternating buffers while
+        `load` (on the current stream) takes the previous one out; returns when all are loaded.
+        The checksum header is read, which waits for its bucket, only when verifying."""
+        current = torch.cuda.current_stream()
+        largest = max(b.nbytes for b in plan.buckets)
+        buffers = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        headers = torch.empty(len(plan.buckets), 2, dtype=torch.int64, device=self.device)
+        loaded: list[torch.cuda.Event | None] = [None, None]
+        for bucket in plan.buckets:
+            slot = bucket.index % 2
+            buffer = buffers[slot][:bucket.nbytes]
+            with torch.cuda.stream(self.stream):
+                if loaded[slot] is not None:  # bucket k-2 is out of this buffer
+                    self.stream.wait_event(loaded[slot])
+                self.comm.broadcast(buffer, src=0, stream=self.stream)
+                self.comm.broadcast(headers[bucket.index], src=0, stream=self.stream)
+            current.wait_event(self.stream.record_event())
+            checksum = None
+            if verify:
+                present, value = headers[bucket.index].tolist()
+                checksum = value if present else None
+            load(PackedBucket(bucket.index, buffer, checksum))
+            loaded[slot] = current.record_event()
+        current.synchronize()  # the buffers are freed on return
 
     def synchronize(self):
         self.stream.synchronize()

@@ -115,17 +115,33 @@ class RefitPlan:
     def bucket_of(self) -> dict[str, int]:
         return {s.name: b.index for b in self.buckets for s in b.slots}
 
-    def pack(self, index: int, tensors: dict[str, torch.Tensor], with_checksum: bool) -> PackedBucket:
+    def pack(self, index: int, sources: dict[str, list[tuple[torch.Tensor, int]]],
+             with_checksum: bool) -> PackedBucket:
+        """sources: for each tensor of the bucket, (rows, first row) pieces that together make it:
+        one piece (tensor, 0) for a whole exported tensor, or the row runs of a direct export.
+        All pieces land in one batched copy."""
         bucket = self.buckets[index]
-        device = next(iter(tensors.values())).device if tensors else "cpu"
-        buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=device)  # padding bytes are checksummed
+        device = next(iter(sources.values()))[0][0].device if sources else "cpu"
+        # padding bytes stay uninitialised: both sides checksum the same bytes
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        destinations, pieces = [], []
         for slot in bucket.slots:
-            tensor = tensors[slot.name]
-            if tuple(tensor.shape) != slot.shape:
-                raise RefitIntegrityError(f"refit: {slot.name} has shape {tuple(tensor.shape)} but the plan "
-                                          f"says {slot.shape}; the plan is stale, rebuild it")
-            region = buffer[slot.offset: slot.offset + slot.nbytes]
-            region.view(getattr(torch, slot.dtype)).copy_(tensor.reshape(-1))
+            region = _rows(buffer[slot.offset: slot.offset + slot.nbytes].view(getattr(torch, slot.dtype)), slot.shape)
+            covered = 0
+            for piece, first_row in sources[slot.name]:
+                piece = _rows(piece, tuple(piece.shape))
+                if piece.shape[1:] != region.shape[1:] or first_row + piece.shape[0] > region.shape[0]:
+                    raise RefitIntegrityError(f"refit: {slot.name} has rows of shape {tuple(piece.shape)} at row "
+                                              f"{first_row} but the plan says {slot.shape}; the plan is stale, "
+                                              "rebuild it")
+                destinations.append(region[first_row: first_row + piece.shape[0]])
+                pieces.append(piece)
+                covered += piece.shape[0]
+            if covered != region.shape[0]:
+                raise RefitIntegrityError(f"refit: {slot.name} got {covered} rows, the plan says {slot.shape}; the "
+                                          "plan is stale, rebuild it")
+        if destinations:
+            torch._foreach_copy_(destinations, pieces)
         return PackedBucket(index, buffer, bucket_checksum(buffer) if with_checksum else None)
 
     def unpack(self, packed: PackedBucket, verify: bool) -> list[tuple[str, torch.Tensor]]:
@@ -144,6 +160,11 @@ class RefitPlan:
                                           f"received {actual}): the bytes were corrupted in transit")
         return [(s.name, packed.buffer[s.offset: s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape))
                 for s in bucket.slots]
+
+
+def _rows(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`tensor` shaped as `shape`, with a 0-d shape seen as one row."""
+    return tensor.reshape(shape or (1,))
 
 
 def bucket_checksum(buffer: torch.Tensor) -> int:

@@ -16,14 +16,16 @@ from rlkit.cluster.worker_group import rendezvous_address
 from rlkit.refit.plan import RefitPlan
 
 
-def _metrics(plan: RefitPlan, start: float, policy: PolicyGroup) -> dict:
-    """Time and throughput of the whole refit, and the sender's share of it (policy rank 0's
-    host seconds in the bridge export and in packing; the rest is transport and loading)."""
+def _metrics(plan: RefitPlan, start: float, policy: PolicyGroup, received: list[dict]) -> dict:
+    """Time and throughput of the whole refit, the sender's share of it (policy rank 0's host
+    seconds in the export and in packing; the rest is transport and loading), whether the sender
+    copied parameter rows directly, and what the first generation worker reports of its side."""
     seconds = time.perf_counter() - start
-    sender = policy.rank0("export_seconds")
+    sender = policy.rank0("export_stats")
     return {"refit/seconds": seconds, "refit/gbytes_per_s": plan.total_bytes / seconds / 1e9,
             "refit/buckets": len(plan.buckets), "timing/refit_export_host": sender["export"],
-            "timing/refit_pack_host": sender["pack"]}
+            "timing/refit_pack_host": sender["pack"], "refit/direct_export": float(sender["direct"]),
+            **received[0]}
 
 
 class ObjectStoreTransport:
@@ -46,8 +48,7 @@ class ObjectStoreTransport:
         for rank, stream in enumerate(streams[1:], start=1):  # other ranks only join the collectives
             self.policy.workers.wait(list(stream), "stream_refit_buckets", ranks=[rank])
         self.generation.workers.wait(loads, "load_bucket", ranks=owners)
-        self.generation.call("end_refit")
-        return _metrics(plan, start, self.policy)
+        return _metrics(plan, start, self.policy, self.generation.call("end_refit"))
 
 
 class CudaIpcTransport:
@@ -60,10 +61,12 @@ class CudaIpcTransport:
 
     def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
         start = time.perf_counter()
-        self.policy.call("begin_export", plan)
-        self.generation.call("begin_refit", plan, verify_checksums)
-        in_flight: deque[list] = deque()
         gen = self.generation.workers
+        exports = self.policy.workers.submit("begin_export", plan)
+        begins = gen.submit("begin_refit", plan, verify_checksums)
+        self.policy.workers.wait(exports, "begin_export")
+        gen.wait(begins, "begin_refit")
+        in_flight: deque[list] = deque()
         for _ in plan.buckets:
             if len(in_flight) == 2:
                 gen.wait(in_flight.popleft(), "load_ipc_bucket")
@@ -71,16 +74,16 @@ class CudaIpcTransport:
             in_flight.append([actor.load_ipc_bucket.remote(handles[i]) for i, actor in enumerate(gen.actors)])
         while in_flight:
             gen.wait(in_flight.popleft(), "load_ipc_bucket")
-        self.policy.call("end_export")
-        self.generation.call("end_refit")
-        return _metrics(plan, start, self.policy)
+        exports, ends = self.policy.workers.submit("end_export"), gen.submit("end_refit")
+        self.policy.workers.wait(exports, "end_export")
+        return _metrics(plan, start, self.policy, gen.wait(ends, "end_refit"))
 
 
 class NcclTransport:
     """A communicator of policy rank 0 (rank 0 in it) and every generation worker, made once.
-    All bucket sends and receives are queued at once; Ray runs each actor's calls in order, so
-    send k meets receive k. Every wait is bounded by cluster.call_timeout_s, so a dead peer is
-    an error naming it."""
+    One call per side moves the whole plan: the sender packs bucket k+1 while bucket k is on the
+    wire, each receiver loads bucket k while bucket k+1 arrives. Every wait is bounded by
+    cluster.call_timeout_s, so a dead peer is an error naming it."""
 
     def __init__(self, policy: PolicyGroup, generation: GenerationGroup, placement_group):
         self.policy, self.generation = policy, generation
@@ -93,17 +96,10 @@ class NcclTransport:
 
     def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
         start = time.perf_counter()
-        self.policy.call("begin_export", plan)
-        self.generation.call("begin_refit", plan, verify_checksums)
-        sends = [self.policy.workers.submit("next_bucket_broadcast", verify_checksums) for _ in plan.buckets]
-        receives = [self.generation.workers.submit("receive_broadcast_bucket") for _ in plan.buckets]
-        for refs in sends:
-            self.policy.workers.wait(refs, "next_bucket_broadcast")
-        for refs in receives:
-            self.generation.workers.wait(refs, "receive_broadcast_bucket")
-        self.policy.call("end_export")
-        self.generation.call("end_refit")
-        return _metrics(plan, start, self.policy)
+        sends = self.policy.workers.submit("broadcast_refit", plan, verify_checksums)
+        receives = self.generation.workers.submit("receive_refit", plan, verify_checksums)
+        self.policy.workers.wait(sends, "broadcast_refit")
+        return _metrics(plan, start, self.policy, self.generation.workers.wait(receives, "receive_refit"))
 
 
 TRANSPORTS = {"cpu": ObjectStoreTransport, "cuda_ipc": CudaIpcTransport, "nccl": NcclTransport}

@@ -46,9 +46,12 @@ def refit_setup(request, ray_cluster, make_cfg):
 
 def test_refit_is_bit_exact(refit_setup):
     workers, plan, transport, _ = refit_setup
-    for _ in range(2):  # the second round reuses buffers and the communicator
+    for _ in range(2):  # the second round replays vLLM's loader and reuses the communicator
         metrics = transport(plan, True)
+    print(f"refit metrics: {metrics}")
     assert metrics["refit/buckets"] == len(plan.buckets) > 1
+    # TP=1 policy: rows copied straight from the parameters; every tensor's load replayed
+    assert metrics["refit/direct_export"] == 1.0 and metrics["refit/replayed_fraction"] == 1.0
     exported = workers.policy.rank0("export_hf_weights")
     for checksums in workers.generation.call("weight_checksums"):
         for name, checksum in checksums.items():

@@ -7,18 +7,29 @@ import torch
 
 from rlkit.cluster.setup import start_workers
 from rlkit.cluster.worker_group import WorkerError
+from rlkit.models.resolve import resolve_model_dir
 from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.refit.transports import ObjectStoreTransport
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def workers(ray_cluster, make_cfg, tiny_qwen2):
-    # TP=2 so the export really gathers shards; two generation workers both receive every bucket
-    cfg, _ = make_cfg("policy.num_workers=2", "policy.tensor_parallel_size=2", "policy.micro_batch_size=16",
-                      "generation.num_workers=2")
-    started = start_workers(cfg, str(tiny_qwen2))
+# (overrides, export path). TP=2: the bridge's export really gathers shards. TP=1: refits copy
+# parameter rows directly (qwen2: tied embeddings and a fused qkv bias; qwen3: q/k norms). Two
+# generation workers both receive every bucket.
+LAYOUTS = {
+    "tp2-bridge": (["policy.num_workers=2", "policy.tensor_parallel_size=2"], False),
+    "dp2-direct": (["policy.num_workers=2"], True),
+    "qwen3-direct": (["policy.model_path=tiny://qwen3"], True),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def workers(request, ray_cluster, make_cfg):
+    overrides, direct = LAYOUTS[request.param]
+    cfg, _ = make_cfg(*overrides, "policy.micro_batch_size=16", "generation.num_workers=2")
+    started = start_workers(cfg, str(resolve_model_dir(cfg)))
+    started.direct_export = direct
     yield started
     started.shutdown()
 
@@ -34,6 +45,7 @@ def test_refit_makes_generation_weights_bit_identical(workers, plan):
     metrics = ObjectStoreTransport(workers.policy, workers.generation, workers.placement_group)(plan, True)
     exported = workers.policy.rank0("export_hf_weights")
     assert len(plan.buckets) > 3 and metrics["refit/buckets"] == len(plan.buckets)
+    assert metrics["refit/direct_export"] == workers.direct_export
     # the sender's share of the time is reported, and is part of the whole
     assert 0 < metrics["timing/refit_export_host"] + metrics["timing/refit_pack_host"] < metrics["refit/seconds"]
     assert set(exported) == set(plan.names)

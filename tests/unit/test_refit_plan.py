@@ -38,10 +38,15 @@ def bits(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
 
 
+def whole(tensors: dict) -> dict:
+    """Each tensor as a single piece starting at row 0, the way the bridge export packs."""
+    return {name: [(tensor, 0)] for name, tensor in tensors.items()}
+
+
 def round_trip(plan, tensors, verify=True):
     received = {}
     for bucket in plan.buckets:
-        packed = plan.pack(bucket.index, {s.name: tensors[s.name] for s in bucket.slots}, with_checksum=verify)
+        packed = plan.pack(bucket.index, whole({s.name: tensors[s.name] for s in bucket.slots}), with_checksum=verify)
         for name, tensor in plan.unpack(packed, verify=verify):
             assert name not in received
             received[name] = tensor
@@ -167,7 +172,7 @@ def test_corrupted_byte_names_bucket_and_tensor():
     plan = RefitPlan.build(manifest, bucket_bytes=32)
     assert len(plan.buckets) == 3
     tensors = make_tensors(manifest)
-    packed = plan.pack(1, {"second.w": tensors["second.w"]}, with_checksum=True)
+    packed = plan.pack(1, whole({"second.w": tensors["second.w"]}), with_checksum=True)
     plan.unpack(packed, verify=True)  # intact: no error
     for position in range(packed.buffer.numel()):  # every single-byte corruption is caught
         corrupted = packed.buffer.clone()
@@ -186,7 +191,7 @@ def test_corrupted_byte_names_bucket_and_tensor():
 @pytest.mark.parametrize("delta", [-1, 1])
 def test_wrong_size_buffer_raises(delta):
     plan = RefitPlan.build(MIXED, bucket_bytes=1 << 20)
-    packed = plan.pack(0, make_tensors(MIXED), with_checksum=False)
+    packed = plan.pack(0, whole(make_tensors(MIXED)), with_checksum=False)
     wrong = torch.zeros(packed.buffer.numel() + delta, dtype=torch.uint8)
     with pytest.raises(RefitIntegrityError, match="bucket 0"):
         plan.unpack(PackedBucket(0, wrong, None), verify=False)
@@ -197,13 +202,35 @@ def test_shape_mismatch_at_pack_raises():
     tensors = make_tensors(MIXED)
     tensors["model.half.weight"] = torch.zeros(3, 2, dtype=torch.float16)  # same numel, wrong shape
     with pytest.raises(RefitIntegrityError, match="model.half.weight"):
-        plan.pack(0, tensors, with_checksum=False)
+        plan.pack(0, whole(tensors), with_checksum=False)
 
 
 def test_verify_without_checksum_raises():
     plan = RefitPlan.build(MIXED, bucket_bytes=1 << 20)
-    packed = plan.pack(0, make_tensors(MIXED), with_checksum=False)
+    packed = plan.pack(0, whole(make_tensors(MIXED)), with_checksum=False)
     assert packed.checksum is None
     with pytest.raises(RefitIntegrityError, match="no checksum"):
         plan.unpack(packed, verify=True)
     assert len(plan.unpack(packed, verify=False)) == len(MIXED)
+
+
+def test_row_pieces_pack_like_the_assembled_tensor():
+    """A direct export sends row runs of source tensors (a fused qkv split into q, k, v); the
+    bucket must hold exactly the bytes of the tensors those runs assemble."""
+    manifest = [("q", (4, 3), "bfloat16"), ("k", (2, 3), "bfloat16"), ("norm", (3,), "float32"), ("s", (), "float32")]
+    plan = RefitPlan.build(manifest, bucket_bytes=1 << 20, transfer_dtype="bfloat16", keep_fp32=("norm",))
+    fused = torch.randn(6, 3)  # rows interleaved per group: q0 q1 k0 q2 q3 k1
+    norm, scalar = torch.randn(3, dtype=torch.bfloat16), torch.tensor(2.5)
+    pieces = {"q": [(fused[0:2], 0), (fused[3:5], 2)], "k": [(fused[2:3], 0), (fused[5:6], 1)],
+              "norm": [(norm[:1], 0), (norm[1:], 1)], "s": [(scalar, 0)]}
+    assembled = {"q": torch.cat([fused[0:2], fused[3:5]]), "k": fused[[2, 5]], "norm": norm, "s": scalar}
+    by_pieces = plan.unpack(plan.pack(0, pieces, with_checksum=False), verify=False)
+    by_tensors = plan.unpack(plan.pack(0, whole(assembled), with_checksum=False), verify=False)
+    for (name, got), (_, expected) in zip(by_pieces, by_tensors):
+        assert got.dtype == expected.dtype and bits(got) == bits(expected), name
+
+
+def test_pieces_that_leave_rows_unfilled_raise():
+    plan = RefitPlan.build([("q", (4, 3), "float32")], bucket_bytes=1 << 20)
+    with pytest.raises(RefitIntegrityError, match="q got 3 rows"):
+        plan.pack(0, {"q": [(torch.zeros(3, 3), 0)]}, with_checksum=False)

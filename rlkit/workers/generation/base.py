@@ -37,8 +37,8 @@ class GenerationWorker(ABC):
     def load_bucket(self, packed: PackedBucket) -> None: ...
 
     @abstractmethod
-    def end_refit(self) -> None:
-        """Fail unless every bucket of the plan arrived."""
+    def end_refit(self) -> dict:
+        """Fail unless every bucket of the plan arrived; return the receiving side's refit metrics."""
 
     @abstractmethod
     def weight_checksums(self) -> dict[str, int]:

@@ -69,11 +69,12 @@ class HFGenerationWorker(GenerationWorker):
             self._params[name].copy_(tensor)
         self._pending.discard(packed.index)
 
-    def end_refit(self) -> None:
+    def end_refit(self) -> dict:
         if self._pending:
             raise RefitIntegrityError(f"refit incomplete on generation worker {self.rank}: buckets "
                                       f"{sorted(self._pending)} never arrived")
         self._plan = None
+        return {}
 
     def weights(self) -> dict:
         """HF-named tensors as this worker holds them (tests compare them bit for bit)."""

@@ -67,12 +67,15 @@ class VLLMGenerationWorker(GenerationWorker):
     def init_refit_group(self, host: str, port: int, world_size: int) -> None:
         self._rpc("rlkit_init_refit_group", host, port, world_size, 1 + self.rank)
 
-    def receive_broadcast_bucket(self) -> None:
-        self._rpc("rlkit_receive_broadcast_bucket")
-
-    def end_refit(self) -> None:
-        self._rpc("rlkit_end_refit")
+    def receive_refit(self, plan: RefitPlan, verify_checksums: bool) -> dict:
+        stats = self._rpc("rlkit_receive_refit", plan, verify_checksums)[0]
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        return stats
+
+    def end_refit(self) -> dict:
+        stats = self._rpc("rlkit_end_refit")[0]
+        self.llm.reset_prefix_cache()
+        return stats
 
     def weight_checksums(self) -> dict[str, int]:
         return self._rpc("rlkit_param_checksums")[0]

@@ -1,7 +1,8 @@
 """Methods rlkit adds to each vLLM worker process (LLM(worker_extension_cls=...)), called
 through collective_rpc. `self` is vLLM's GPU worker. Buckets are unpacked with the same
-RefitPlan the policy packed them with, then handed to the model's own load_weights, which
-knows vLLM's fused layouts (qkv_proj, gate_up_proj) and its TP sharding."""
+RefitPlan the policy packed them with. The model's own load_weights, which knows vLLM's fused
+layouts (qkv_proj, gate_up_proj) and its TP sharding, places each tensor the first time a plan
+is used; later refits replay its copies (rlkit/refit/replay.py)."""
 
 import functools
 import pickle
@@ -9,6 +10,7 @@ import pickle
 import torch
 
 from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan, bucket_checksum
+from rlkit.refit.replay import LoadReplay
 
 
 def _pickled_args(method):
@@ -22,12 +24,18 @@ def _pickled_args(method):
 class RefitExtension:
     @_pickled_args
     def rlkit_begin_refit(self, plan: RefitPlan, verify: bool):
-        self._rlkit_plan, self._rlkit_verify = plan, verify
+        self._rlkit_begin(plan, verify)
+
+    def _rlkit_begin(self, plan: RefitPlan, verify: bool):
+        replay = getattr(self, "_rlkit_replay", None)
+        if replay is None or replay.plan != plan:  # a new plan is learned through the loader again
+            model = self.model_runner.get_model()
+            self._rlkit_replay = LoadReplay(plan, lambda weights: model.load_weights(weights=weights))
+        self._rlkit_verify = verify
         self._rlkit_pending = set(range(len(plan.buckets)))
 
     def _rlkit_load(self, packed: PackedBucket):
-        weights = self._rlkit_plan.unpack(packed, verify=self._rlkit_verify)
-        self.model_runner.get_model().load_weights(weights=weights)
+        self._rlkit_replay.load(packed, self._rlkit_verify)
         self._rlkit_pending.discard(packed.index)
 
     @_pickled_args
@@ -46,15 +54,20 @@ class RefitExtension:
         self._rlkit_group = RefitGroup(host, port, rank, world_size)
 
     @_pickled_args
-    def rlkit_receive_broadcast_bucket(self):
-        index = min(self._rlkit_pending)  # buckets are broadcast in index order
-        self._rlkit_load(self._rlkit_group.receive(self._rlkit_plan.buckets[index]))
+    def rlkit_receive_refit(self, plan: RefitPlan, verify: bool) -> dict:
+        """The nccl transport: every bucket of the plan in one call."""
+        self._rlkit_begin(plan, verify)
+        self._rlkit_group.receive_all(plan, self._rlkit_load, verify)
+        return self._rlkit_end()
 
     @_pickled_args
-    def rlkit_end_refit(self):
+    def rlkit_end_refit(self) -> dict:
+        return self._rlkit_end()
+
+    def _rlkit_end(self) -> dict:
         if self._rlkit_pending:
             raise RefitIntegrityError(f"refit incomplete: buckets {sorted(self._rlkit_pending)} never arrived")
-        self._rlkit_plan = None
+        return {"refit/replayed_fraction": self._rlkit_replay.replayed_fraction}
 
     @_pickled_args
     def rlkit_param_checksums(self) -> dict[str, int]:

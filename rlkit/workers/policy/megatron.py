@@ -60,6 +60,8 @@ class MegatronModelWorker:
         else:
             self.bridge.load_hf_weights(self.model)
         self.offloaded = None  # CPU copies of what sleep() moved off the GPU
+        self.export_rows = None  # set by refit_manifest where refits can copy rows directly
+        self._export_seconds = {"export": 0.0, "pack": 0.0}  # of the last refit (export_stats)
         # built at the first train() call: inference-only uses (verify-refit, benchmarks) never
         # pay for fp32 main weights and Adam state
         self.optimizer = None
@@ -278,14 +280,29 @@ class MegatronModelWorker:
 
     # ---- weights out -------------------------------------------------------------------
     def refit_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
-        """(hf_name, shape, dtype) in export order. Collective: call on every rank."""
+        """(hf_name, shape, dtype) in export order. Collective: call on every rank. Also settles how
+        later refits export: straight from the parameters' rows where the bridge's conversion only
+        moves rows (checked here, tensor by tensor, against this very export), else through the
+        bridge, whose per-tensor gathers and name broadcasts cost far more than the copies."""
         self.wake()
-        return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                for name, t in self.bridge.export_hf_weights(self.model)]
+        rows = self.bridge.export_rows(self.model)
+        manifest = []
+        for name, tensor in self.bridge.export_hf_weights(self.model):
+            manifest.append((name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+            if rows is not None and not _assembles(rows.get(name), tensor):
+                rows = None
+        self.export_rows = rows if rows is not None and set(rows) == {m[0] for m in manifest} else None
+        if self.rank == 0:
+            print(f"[{self.name}] refit export: " + ("direct row copies from the parameters"
+                                                    if self.export_rows else "through the bridge"), flush=True)
+        return manifest
 
     def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool) -> Iterator[PackedBucket]:
         """The CPU transport's export: every bucket, in plan order, each yielded as soon as it is
-        packed. Collective: every rank iterates the export; only rank 0 yields buckets."""
+        packed. Through the bridge the export is collective: every rank iterates it, only rank 0
+        yields buckets."""
+        if self.rank != 0 and self.export_rows:
+            return
         self.begin_export(plan)
         for _ in plan.buckets:
             packed = self._pack_next(with_checksum)
@@ -293,13 +310,13 @@ class MegatronModelWorker:
                 yield packed
         self.end_export()
 
-    # Bucket-at-a-time export: begin_export, then one bucket per call on every rank (the export is
-    # collective), then end_export. Buckets fill in export order, so bucket k is complete after
-    # its tensors, and the plan is checked against what the bridge actually yields.
+    # Bucket-at-a-time export: begin_export, then one bucket per call, then end_export. Through
+    # the bridge the export is collective (every rank calls), buckets fill in export order, and
+    # the plan is checked against what the bridge actually yields.
     def begin_export(self, plan: RefitPlan):
         self.wake()
         self._plan, self._next_bucket = plan, 0
-        self._exported = self.bridge.export_hf_weights(self.model)
+        self._exported = None if self.export_rows else self.bridge.export_hf_weights(self.model)
         self._buffers: list = [None, None]  # double buffering: bucket k lives in slot k % 2
         # host seconds in the bridge's export and in packing (kernels may still run after them):
         # where a refit's time goes on the sending side
@@ -308,22 +325,28 @@ class MegatronModelWorker:
     def _pack_next(self, with_checksum: bool) -> PackedBucket:
         bucket = self._plan.buckets[self._next_bucket]
         start = time.perf_counter()
-        tensors = dict(next(self._exported) for _ in bucket.slots)  # the plan follows export order
+        if self._exported is None:
+            sources = {s.name: [(piece.source(), piece.first_row) for piece in self.export_rows[s.name]]
+                       for s in bucket.slots}
+        else:
+            tensors = dict(next(self._exported) for _ in bucket.slots)  # the plan follows export order
+            expected = {s.name for s in bucket.slots}
+            if set(tensors) != expected:
+                raise RuntimeError(f"refit: export order differs from the plan at {bucket.describe()}: got "
+                                   f"{sorted(set(tensors) - expected)[:3]}; rebuild the plan")
+            sources = {name: [(tensor, 0)] for name, tensor in tensors.items()}
         exported = time.perf_counter()
-        expected = {s.name for s in bucket.slots}
-        if set(tensors) != expected:
-            raise RuntimeError(f"refit: export order differs from the plan at {bucket.describe()}: got "
-                               f"{sorted(set(tensors) - expected)[:3]}; rebuild the plan")
         self._next_bucket += 1
-        packed = self._plan.pack(bucket.index, tensors, with_checksum)
+        packed = self._plan.pack(bucket.index, sources, with_checksum)
         self._buffers[bucket.index % 2] = packed.buffer
         self._export_seconds["export"] += exported - start
         self._export_seconds["pack"] += time.perf_counter() - exported
         return packed
 
-    def export_seconds(self) -> dict[str, float]:
-        """Host seconds the last refit export spent in the bridge's export and in packing."""
-        return dict(self._export_seconds)
+    def export_stats(self) -> dict:
+        """Host seconds the last refit export spent exporting and packing, and whether it copied
+        parameter rows directly (else it went through the bridge)."""
+        return {**self._export_seconds, "direct": bool(self.export_rows)}
 
     def next_bucket_ipc(self, with_checksum: bool) -> dict:
         """Pack the next bucket on this rank's GPU; return a CUDA IPC handle to it. The buffer
@@ -339,15 +362,20 @@ class MegatronModelWorker:
         from rlkit.refit.nccl_group import RefitGroup
         self._refit_group = RefitGroup(host, port, rank, world_size)
 
-    def next_bucket_broadcast(self, with_checksum: bool):
-        """Pack the next bucket; rank 0 broadcasts it on the refit communicator (other ranks
-        only advance the collective export). Packing the next bucket overlaps this send."""
-        packed = self._pack_next(with_checksum)
-        if self.rank == 0:
-            self._refit_group.send(packed)
+    def broadcast_refit(self, plan: RefitPlan, with_checksum: bool):
+        """The nccl transport's export, all buckets in one call: rank 0 packs bucket k+1 while
+        bucket k is on the wire. Other ranks take part only in a bridge export's collectives."""
+        if self.rank != 0 and self.export_rows:
+            return
+        self.begin_export(plan)
+        for _ in plan.buckets:
+            packed = self._pack_next(with_checksum)
+            if self.rank == 0:
+                self._refit_group.send(packed)
+        self.end_export()
 
     def end_export(self):
-        if next(self._exported, None) is not None:
+        if self._exported is not None and next(self._exported, None) is not None:
             raise RuntimeError("refit: the export has more tensors than the plan; rebuild the plan")
         if self.rank == 0 and getattr(self, "_refit_group", None) is not None:
             self._refit_group.synchronize()
@@ -435,3 +463,11 @@ class MegatronModelWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         os._exit(0)
+
+
+def _assembles(pieces: list | None, tensor: torch.Tensor) -> bool:
+    """Whether the row pieces put together equal `tensor`, bit for bit."""
+    if not pieces:
+        return False
+    rows = torch.cat([p.source() for p in sorted(pieces, key=lambda p: p.first_row)])
+    return rows.dtype == tensor.dtype and rows.numel() == tensor.numel() and torch.equal(rows.reshape(tensor.shape), tensor)

@@ -1,0 +1,70 @@
+"""LoadReplay: after a loader has placed each tensor once, replayed refits leave the model
+bit-identical to running the loader again; loaders that compute are not replayed."""
+
+import torch
+
+from rlkit.refit.plan import RefitPlan
+from rlkit.refit.replay import LoadReplay
+
+HIDDEN, VOCAB, PADDED_VOCAB = 4, 6, 8
+MANIFEST = [("embed", (VOCAB, HIDDEN), "float32"), ("q", (4, HIDDEN), "float32"), ("k", (2, HIDDEN), "float32"),
+            ("v", (2, HIDDEN), "float32"), ("norm", (HIDDEN,), "float32"), ("scaled", (HIDDEN,), "float32"),
+            ("tied_head", (VOCAB, HIDDEN), "float32"), ("o", (HIDDEN, HIDDEN), "float32")]
+
+
+class FusedModel(torch.nn.Module):
+    """Parameters laid out the way an inference engine fuses them, and its own loader."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.full((PADDED_VOCAB, HIDDEN), 7.0))  # vocab padded
+        self.qkv = torch.nn.Parameter(torch.zeros(8, HIDDEN))  # q;k;v stacked
+        self.norm = torch.nn.Parameter(torch.zeros(HIDDEN))
+        self.scaled = torch.nn.Parameter(torch.zeros(HIDDEN))
+        self.o_shard = torch.nn.Parameter(torch.zeros(HIDDEN, 2))  # a TP rank's column slice
+        self.calls = 0
+
+    @torch.no_grad()
+    def load_weights(self, weights):
+        for name, w in weights:
+            self.calls += 1
+            if name in ("embed", "tied_head"):  # one parameter, written by both, padding zeroed
+                self.embed.data[:VOCAB].copy_(w)
+                self.embed.data[VOCAB:].fill_(0)
+            elif name in ("q", "k", "v"):
+                offset = {"q": 0, "k": 4, "v": 6}[name]
+                self.qkv.data.narrow(0, offset, w.shape[0]).copy_(w)
+            elif name == "o":  # a strided view of the received tensor
+                self.o_shard.data.copy_(w.narrow(1, 2, 2))
+            elif name == "norm":
+                self.norm.data.copy_(w)
+            else:  # computes: must go through the loader every time
+                self.scaled.data.copy_(w * 2)
+
+
+def send(plan: RefitPlan, replay: LoadReplay, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {name: torch.randn(shape, generator=gen) for name, shape, _ in MANIFEST}
+    for bucket in plan.buckets:
+        sources = {s.name: [(tensors[s.name], 0)] for s in bucket.slots}
+        replay.load(plan.pack(bucket.index, sources, with_checksum=True), verify=True)
+    return tensors
+
+
+def test_replayed_refits_match_the_loader_bit_for_bit():
+    plan = RefitPlan.build(MANIFEST, bucket_bytes=64)  # several buckets
+    assert len(plan.buckets) > 2
+    replayed, reference = FusedModel(), FusedModel()
+    replay = LoadReplay(plan, replayed.load_weights)
+    send(plan, replay, seed=0)  # learns through the loader
+    assert replayed.calls == len(MANIFEST)
+    for seed in (1, 2):
+        tensors = send(plan, replay, seed)
+        reference.load_weights(list(tensors.items()))
+        for name, param in replayed.named_parameters():
+            assert torch.equal(param, dict(reference.named_parameters())[name]), (seed, name)
+        # the tied head was written after the embedding, and wins, as in the loader
+        assert torch.equal(replayed.embed[:VOCAB], tensors["tied_head"])
+    # only the computing loader ran again
+    assert replayed.calls == len(MANIFEST) + 2
+    assert replay.replayed_fraction == (len(MANIFEST) - 1) / len(MANIFEST)
