@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 tests() { timeout "$1" python3 -m pytest "${2:-tests/gpu}" -v -rA -s -p no:cacheprovider --timeout=200 2>&1 | tee "$OUT/gpu_tests.log"; }
 generation() { timeout 250 python3 benchmarks/generation.py --size 1.5b --out "$OUT/generation.json" 2>&1 | tee "$OUT/generation.log"; }
-refit() { timeout "$2" python3 benchmarks/refit.py --sizes "$1" --out "$OUT/refit_$1.json" 2>&1 | tee "$OUT/refit_$1.log"; }
+refit() { timeout "$2" python3 benchmarks/refit.py --sizes "$1" --out "$OUT/refit_${1//,/-}.json" 2>&1 | tee "$OUT/refit_${1//,/-}.log"; }
 case "$1" in
   tests) tests 560 ;;
   refit-tests) tests 560 tests/gpu/test_vllm_refit.py ;;

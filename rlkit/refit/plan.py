@@ -115,15 +115,16 @@ class RefitPlan:
     def bucket_of(self) -> dict[str, int]:
         return {s.name: b.index for b in self.buckets for s in b.slots}
 
-    def pack(self, index: int, sources: dict[str, list[tuple[torch.Tensor, int]]],
-             with_checksum: bool) -> PackedBucket:
+    def pack(self, index: int, sources: dict[str, list[tuple[torch.Tensor, int]]], with_checksum: bool,
+             out: torch.Tensor | None = None) -> PackedBucket:
         """sources: for each tensor of the bucket, (rows, first row) pieces that together make it:
         one piece (tensor, 0) for a whole exported tensor, or the row runs of a direct export.
-        All pieces land in one batched copy."""
+        All pieces land in one batched copy, into `out` (a flat uint8 buffer at least the
+        bucket's size) or a new buffer."""
         bucket = self.buckets[index]
         device = next(iter(sources.values()))[0][0].device if sources else "cpu"
         # padding bytes stay uninitialised: both sides checksum the same bytes
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device) if out is None else out[:bucket.nbytes]
         destinations, pieces = [], []
         for slot in bucket.slots:
             region = _rows(buffer[slot.offset: slot.offset + slot.nbytes].view(getattr(torch, slot.dtype)), slot.shape)

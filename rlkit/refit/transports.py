@@ -2,14 +2,13 @@
 
 Every transport is driven by the same RefitPlan; only how bytes travel differs:
   cpu       Ray object store (CPU runs)
-  cuda_ipc  colocated: each policy rank packs on its GPU, the generation worker on that GPU
-            maps the bucket through a CUDA IPC handle; two buffers alternate
+  cuda_ipc  colocated: each policy rank packs into two slots on its GPU that the generation
+            worker on that GPU maps through CUDA IPC handles; the slots alternate
   nccl      disaggregated: policy rank 0 broadcasts each bucket to every generation worker on a
             dedicated communicator, packing bucket k+1 while bucket k is on the wire
 """
 
 import time
-from collections import deque
 
 from rlkit.cluster.roles import GenerationGroup, PolicyGroup
 from rlkit.cluster.worker_group import rendezvous_address
@@ -52,31 +51,21 @@ class ObjectStoreTransport:
 
 
 class CudaIpcTransport:
-    """Generation worker i shares a GPU with policy rank i (colocated placement). Each policy
-    rank packs bucket k on its own GPU and returns an IPC handle with its own metadata; bucket
-    k+2 reuses bucket k's buffer only after every receiver has loaded bucket k."""
+    """Generation worker i shares a GPU with policy rank i (colocated placement). One call per
+    side moves the whole plan: policy rank i packs into two IPC-shared slots on its GPU while
+    generation worker i loads from the other (rlkit/refit/cuda_ipc.py)."""
 
     def __init__(self, policy: PolicyGroup, generation: GenerationGroup, placement_group):
         self.policy, self.generation = policy, generation
+        self.addresses = policy.call("open_ipc_channel")
 
     def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
         start = time.perf_counter()
-        gen = self.generation.workers
-        exports = self.policy.workers.submit("begin_export", plan)
-        begins = gen.submit("begin_refit", plan, verify_checksums)
-        self.policy.workers.wait(exports, "begin_export")
-        gen.wait(begins, "begin_refit")
-        in_flight: deque[list] = deque()
-        for _ in plan.buckets:
-            if len(in_flight) == 2:
-                gen.wait(in_flight.popleft(), "load_ipc_bucket")
-            handles = self.policy.call("next_bucket_ipc", verify_checksums)
-            in_flight.append([actor.load_ipc_bucket.remote(handles[i]) for i, actor in enumerate(gen.actors)])
-        while in_flight:
-            gen.wait(in_flight.popleft(), "load_ipc_bucket")
-        exports, ends = self.policy.workers.submit("end_export"), gen.submit("end_refit")
-        self.policy.workers.wait(exports, "end_export")
-        return _metrics(plan, start, self.policy, gen.wait(ends, "end_refit"))
+        sends = self.policy.workers.submit("send_ipc_refit", plan, verify_checksums)
+        receives = [actor.receive_ipc_refit.remote(plan, verify_checksums, self.addresses[i])
+                    for i, actor in enumerate(self.generation.workers.actors)]
+        self.policy.workers.wait(sends, "send_ipc_refit")
+        return _metrics(plan, start, self.policy, self.generation.workers.wait(receives, "receive_ipc_refit"))
 
 
 class NcclTransport:

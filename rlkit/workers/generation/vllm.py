@@ -55,25 +55,24 @@ class VLLMGenerationWorker(GenerationWorker):
         return self.llm.collective_rpc(method, args=(pickle.dumps(args),))
 
     def begin_refit(self, plan: RefitPlan, verify_checksums: bool) -> None:
-        self._rpc("rlkit_begin_refit", plan, verify_checksums)
+        raise _object_store_unsupported()
 
     def load_bucket(self, packed: PackedBucket) -> None:
-        raise NotImplementedError("vLLM workers receive weights through refit.transport=cuda_ipc or nccl, "
-                                  "not the CPU object store; set refit.transport accordingly")
+        raise _object_store_unsupported()
 
-    def load_ipc_bucket(self, message: dict) -> None:
-        self._rpc("rlkit_load_ipc_bucket", message)
+    def end_refit(self) -> dict:
+        raise _object_store_unsupported()
+
+    def receive_ipc_refit(self, plan: RefitPlan, verify_checksums: bool, address: tuple) -> dict:
+        stats = self._rpc("rlkit_receive_ipc_refit", plan, verify_checksums, address)[0]
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        return stats
 
     def init_refit_group(self, host: str, port: int, world_size: int) -> None:
         self._rpc("rlkit_init_refit_group", host, port, world_size, 1 + self.rank)
 
     def receive_refit(self, plan: RefitPlan, verify_checksums: bool) -> dict:
         stats = self._rpc("rlkit_receive_refit", plan, verify_checksums)[0]
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
-        return stats
-
-    def end_refit(self) -> dict:
-        stats = self._rpc("rlkit_end_refit")[0]
         self.llm.reset_prefix_cache()
         return stats
 
@@ -90,3 +89,8 @@ class VLLMGenerationWorker(GenerationWorker):
         if tags:
             self.llm.wake_up(tags=tags)
             self._asleep_tags -= set(tags)
+
+
+def _object_store_unsupported() -> NotImplementedError:
+    return NotImplementedError("vLLM workers receive weights through refit.transport=cuda_ipc or nccl, not the CPU "
+                               "object store; set refit.transport accordingly")

@@ -22,10 +22,6 @@ def _pickled_args(method):
 
 
 class RefitExtension:
-    @_pickled_args
-    def rlkit_begin_refit(self, plan: RefitPlan, verify: bool):
-        self._rlkit_begin(plan, verify)
-
     def _rlkit_begin(self, plan: RefitPlan, verify: bool):
         replay = getattr(self, "_rlkit_replay", None)
         if replay is None or replay.plan != plan:  # a new plan is learned through the loader again
@@ -38,15 +34,22 @@ class RefitExtension:
         self._rlkit_replay.load(packed, self._rlkit_verify)
         self._rlkit_pending.discard(packed.index)
 
-    @_pickled_args
-    def rlkit_load_ipc_bucket(self, message: dict):
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    def _rlkit_end(self) -> dict:
+        if self._rlkit_pending:
+            raise RefitIntegrityError(f"refit incomplete: buckets {sorted(self._rlkit_pending)} never arrived")
+        return {"refit/replayed_fraction": self._rlkit_replay.replayed_fraction}
 
-        args = list(message["handle"])
-        args[6] = torch.cuda.current_device()  # the sender's device index means nothing here
-        buffer = rebuild_cuda_tensor(*args)
-        self._rlkit_load(PackedBucket(message["index"], buffer, message["checksum"]))
-        torch.cuda.current_stream().synchronize()  # done reading before the sender reuses the buffer
+    @_pickled_args
+    def rlkit_receive_ipc_refit(self, plan: RefitPlan, verify: bool, address: tuple) -> dict:
+        """The cuda_ipc transport: every bucket of the plan in one call, from the policy rank on
+        this GPU (connected at the first refit)."""
+        from rlkit.refit.cuda_ipc import IpcReceiver
+
+        self._rlkit_begin(plan, verify)
+        if getattr(self, "_rlkit_ipc", None) is None or self._rlkit_ipc.address != address:
+            self._rlkit_ipc = IpcReceiver(address)
+        self._rlkit_ipc.receive(plan, self._rlkit_load)
+        return self._rlkit_end()
 
     @_pickled_args
     def rlkit_init_refit_group(self, host: str, port: int, world_size: int, rank: int):
@@ -59,15 +62,6 @@ class RefitExtension:
         self._rlkit_begin(plan, verify)
         self._rlkit_group.receive_all(plan, self._rlkit_load, verify)
         return self._rlkit_end()
-
-    @_pickled_args
-    def rlkit_end_refit(self) -> dict:
-        return self._rlkit_end()
-
-    def _rlkit_end(self) -> dict:
-        if self._rlkit_pending:
-            raise RefitIntegrityError(f"refit incomplete: buckets {sorted(self._rlkit_pending)} never arrived")
-        return {"refit/replayed_fraction": self._rlkit_replay.replayed_fraction}
 
     @_pickled_args
     def rlkit_param_checksums(self) -> dict[str, int]:

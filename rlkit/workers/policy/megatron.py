@@ -303,26 +303,25 @@ class MegatronModelWorker:
         yields buckets."""
         if self.rank != 0 and self.export_rows:
             return
-        self.begin_export(plan)
+        self._begin_export(plan)
         for _ in plan.buckets:
             packed = self._pack_next(with_checksum)
             if self.rank == 0:
                 yield packed
-        self.end_export()
+        self._end_export()
 
-    # Bucket-at-a-time export: begin_export, then one bucket per call, then end_export. Through
-    # the bridge the export is collective (every rank calls), buckets fill in export order, and
+    # Every transport's export: _begin_export, _pack_next once per bucket, _end_export. Through
+    # the bridge the export is collective (every rank packs), buckets fill in export order, and
     # the plan is checked against what the bridge actually yields.
-    def begin_export(self, plan: RefitPlan):
+    def _begin_export(self, plan: RefitPlan):
         self.wake()
         self._plan, self._next_bucket = plan, 0
         self._exported = None if self.export_rows else self.bridge.export_hf_weights(self.model)
-        self._buffers: list = [None, None]  # double buffering: bucket k lives in slot k % 2
         # host seconds in the bridge's export and in packing (kernels may still run after them):
         # where a refit's time goes on the sending side
         self._export_seconds = {"export": 0.0, "pack": 0.0}
 
-    def _pack_next(self, with_checksum: bool) -> PackedBucket:
+    def _pack_next(self, with_checksum: bool, out: torch.Tensor | None = None) -> PackedBucket:
         bucket = self._plan.buckets[self._next_bucket]
         start = time.perf_counter()
         if self._exported is None:
@@ -337,8 +336,7 @@ class MegatronModelWorker:
             sources = {name: [(tensor, 0)] for name, tensor in tensors.items()}
         exported = time.perf_counter()
         self._next_bucket += 1
-        packed = self._plan.pack(bucket.index, sources, with_checksum)
-        self._buffers[bucket.index % 2] = packed.buffer
+        packed = self._plan.pack(bucket.index, sources, with_checksum, out)
         self._export_seconds["export"] += exported - start
         self._export_seconds["pack"] += time.perf_counter() - exported
         return packed
@@ -348,15 +346,18 @@ class MegatronModelWorker:
         parameter rows directly (else it went through the bridge)."""
         return {**self._export_seconds, "direct": bool(self.export_rows)}
 
-    def next_bucket_ipc(self, with_checksum: bool) -> dict:
-        """Pack the next bucket on this rank's GPU; return a CUDA IPC handle to it. The buffer
-        stays alive (its slot is reused two buckets later, after the receiver is done)."""
-        from torch.multiprocessing.reductions import reduce_tensor
+    def open_ipc_channel(self) -> tuple:
+        """The cuda_ipc transport: listen for the generation worker on this GPU; its address."""
+        from rlkit.refit.cuda_ipc import IpcSender
+        self._ipc = IpcSender()
+        return self._ipc.address
 
-        packed = self._pack_next(with_checksum)
-        torch.cuda.current_stream().synchronize()  # the receiver reads it from another process
-        _, handle = reduce_tensor(packed.buffer)
-        return {"index": packed.index, "handle": handle, "checksum": packed.checksum}
+    def send_ipc_refit(self, plan: RefitPlan, with_checksum: bool):
+        """The cuda_ipc transport's export, all buckets in one call, through two IPC-shared slots
+        on this GPU. Every rank sends to its own colocated generation worker."""
+        self._begin_export(plan)
+        self._ipc.send(plan, lambda slot: self._pack_next(with_checksum, slot))
+        self._end_export()
 
     def init_refit_group(self, host: str, port: int, rank: int, world_size: int):
         from rlkit.refit.nccl_group import RefitGroup
@@ -367,19 +368,19 @@ class MegatronModelWorker:
         bucket k is on the wire. Other ranks take part only in a bridge export's collectives."""
         if self.rank != 0 and self.export_rows:
             return
-        self.begin_export(plan)
+        self._begin_export(plan)
         for _ in plan.buckets:
             packed = self._pack_next(with_checksum)
             if self.rank == 0:
                 self._refit_group.send(packed)
-        self.end_export()
+        self._end_export()
 
-    def end_export(self):
+    def _end_export(self):
         if self._exported is not None and next(self._exported, None) is not None:
             raise RuntimeError("refit: the export has more tensors than the plan; rebuild the plan")
         if self.rank == 0 and getattr(self, "_refit_group", None) is not None:
             self._refit_group.synchronize()
-        self._exported, self._buffers = None, [None, None]
+        self._exported = None
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _inner_model(self):
