@@ -119,7 +119,7 @@ class ModelBridge:
                 return
             yield item
 
-    def export_rows(self, chunks: list) -> dict[str, list["RowPiece"]] | None:
+    def export_rows(self, chunks: list) -> "RowExport | None":
         """The export as row moves: for each HF tensor, in export order, the Megatron parameter
         rows it is made of. Found by running a probe (every row holding its own index) through the
         bridge's own conversion, so fused layouts (qkv, gate/up) and vocab padding come out exactly
@@ -149,7 +149,10 @@ class ModelBridge:
                     return None
                 row_ids = out.reshape(out.shape[0], -1)[:, 0].tolist() if out.dim() else [int(out)]
                 rows[name] = _runs(param, row_ids)
-        return rows
+        try:
+            return RowExport(rows)
+        except ValueError:  # e.g. one parameter exported under two names
+            return None
 
     def save_hf_weights(self, chunks: list, out_dir: str):
         self._bridge.save_weights(chunks, str(out_dir))
@@ -164,9 +167,38 @@ class RowPiece:
     rows: int
     first_row: int
 
-    def source(self) -> torch.Tensor:
-        # sliced at use, not kept as a view: whatever `param.data` is now is what gets sent
-        return self.param.detach().reshape(-1, *self.param.shape[1:])[self.source_row: self.source_row + self.rows]
+
+class RowExport:
+    """The row pieces of ModelBridge.export_rows, materialised at each refit as flat views: one
+    split per parameter, because refit time at this size is per-tensor Python, not bytes.
+    Views are taken at each refit, not kept: whatever `param.data` is then is what gets sent."""
+
+    def __init__(self, rows: dict[str, list[RowPiece]]):
+        by_param: dict[int, tuple[torch.nn.Parameter, list[tuple[str, RowPiece]]]] = {}
+        for name, pieces in rows.items():
+            for piece in pieces:
+                by_param.setdefault(id(piece.param), (piece.param, []))[1].append((name, piece))
+        self.names = list(rows)
+        self._splits = []  # (parameter, split sizes alternating gap / piece, [(hf name, first row)])
+        for param, named in by_param.values():
+            named.sort(key=lambda item: item[1].source_row)
+            row_numel = param[0].numel() if param.dim() else 1
+            sizes, position = [], 0
+            for _, piece in named:
+                if piece.source_row < position:
+                    raise ValueError(f"two exported tensors share rows of one parameter ({named[0][0]})")
+                sizes += [(piece.source_row - position) * row_numel, piece.rows * row_numel]
+                position = piece.source_row + piece.rows
+            sizes.append(param.numel() - position * row_numel)
+            self._splits.append((param, sizes, [(name, piece.first_row) for name, piece in named]))
+
+    def sources(self) -> dict[str, list[tuple[torch.Tensor, int]]]:
+        """{hf name: [(flat rows, first row)]}, the form RefitPlan.pack takes."""
+        out: dict[str, list[tuple[torch.Tensor, int]]] = {name: [] for name in self.names}
+        for param, sizes, targets in self._splits:
+            for (name, first_row), rows in zip(targets, param.detach().view(-1).split(sizes)[1::2]):
+                out[name].append((rows, first_row))
+        return out
 
 
 def _runs(param: torch.nn.Parameter, row_ids: list[int]) -> list[RowPiece]:

@@ -115,38 +115,47 @@ class RefitPlan:
     def bucket_of(self) -> dict[str, int]:
         return {s.name: b.index for b in self.buckets for s in b.slots}
 
+    @torch.no_grad()  # the copies write split views of the buffer, which autograd forbids
     def pack(self, index: int, sources: dict[str, list[tuple[torch.Tensor, int]]], with_checksum: bool,
              out: torch.Tensor | None = None) -> PackedBucket:
         """sources: for each tensor of the bucket, (rows, first row) pieces that together make it:
-        one piece (tensor, 0) for a whole exported tensor, or the row runs of a direct export.
-        All pieces land in one batched copy, into `out` (a flat uint8 buffer at least the
-        bucket's size) or a new buffer."""
+        one piece (tensor, 0) for a whole exported tensor, or the row runs of a direct export
+        (flat views are fine: a piece is as many rows as its elements fill). All pieces land in
+        one batched copy, into `out` (a flat uint8 buffer at least the bucket's size) or a new
+        buffer."""
         bucket = self.buckets[index]
         device = next(iter(sources.values()))[0][0].device if sources else "cpu"
         # padding bytes stay uninitialised: both sides checksum the same bytes
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device) if out is None else out[:bucket.nbytes]
-        destinations, pieces = [], []
+        spans, pieces = [], []
         for slot in bucket.slots:
-            region = _rows(buffer[slot.offset: slot.offset + slot.nbytes].view(getattr(torch, slot.dtype)), slot.shape)
+            rows, row_numel = _rows(slot.shape)
+            element_size = _nbytes((), slot.dtype)
             covered = 0
             for piece, first_row in sources[slot.name]:
-                piece = _rows(piece, tuple(piece.shape))
-                if piece.shape[1:] != region.shape[1:] or first_row + piece.shape[0] > region.shape[0]:
+                piece_rows = piece.numel() // row_numel
+                if ((piece.dim() > 1 and tuple(piece.shape[1:]) != slot.shape[1:]) or piece.numel() % row_numel
+                        or first_row + piece_rows > rows):
                     raise RefitIntegrityError(f"refit: {slot.name} has rows of shape {tuple(piece.shape)} at row "
                                               f"{first_row} but the plan says {slot.shape}; the plan is stale, "
                                               "rebuild it")
-                destinations.append(region[first_row: first_row + piece.shape[0]])
-                pieces.append(piece)
-                covered += piece.shape[0]
-            if covered != region.shape[0]:
+                spans.append(Span(slot.offset + first_row * row_numel * element_size, piece.numel(), slot.dtype))
+                pieces.append(piece if piece.dim() == 1 else piece.reshape(-1))
+                covered += piece_rows
+            if covered != rows:
                 raise RefitIntegrityError(f"refit: {slot.name} got {covered} rows, the plan says {slot.shape}; the "
                                           "plan is stale, rebuild it")
-        if destinations:
+        if pieces:
+            try:
+                destinations = flat_views(buffer, spans)
+            except ValueError:
+                raise RefitIntegrityError(f"refit: pieces of {bucket.describe()} overlap; the plan is stale, "
+                                          "rebuild it") from None
             torch._foreach_copy_(destinations, pieces)
         return PackedBucket(index, buffer, bucket_checksum(buffer) if with_checksum else None)
 
-    def unpack(self, packed: PackedBucket, verify: bool) -> list[tuple[str, torch.Tensor]]:
-        """Views into packed.buffer, one per tensor, named and shaped by the plan."""
+    def check(self, packed: PackedBucket, verify: bool):
+        """The bucket has the plan's size and, when verifying, its checksum."""
         bucket = self.buckets[packed.index]
         if packed.buffer.numel() != bucket.nbytes:
             raise RefitIntegrityError(f"refit: {bucket.describe()} arrived with {packed.buffer.numel()} bytes, "
@@ -159,13 +168,53 @@ class RefitPlan:
             if actual != packed.checksum:
                 raise RefitIntegrityError(f"refit: {bucket.describe()} failed its checksum (sent {packed.checksum}, "
                                           f"received {actual}): the bytes were corrupted in transit")
-        return [(s.name, packed.buffer[s.offset: s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape))
-                for s in bucket.slots]
+
+    def unpack(self, packed: PackedBucket, verify: bool) -> list[tuple[str, torch.Tensor]]:
+        """Views into packed.buffer, one per tensor, named and shaped by the plan."""
+        self.check(packed, verify)
+        return [(s.name, slot_view(s, packed.buffer)) for s in self.buckets[packed.index].slots]
 
 
-def _rows(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """`tensor` shaped as `shape`, with a 0-d shape seen as one row."""
-    return tensor.reshape(shape or (1,))
+def slot_view(slot: Slot, buffer: torch.Tensor) -> torch.Tensor:
+    return buffer[slot.offset: slot.offset + slot.nbytes].view(getattr(torch, slot.dtype)).view(slot.shape)
+
+
+@dataclass(frozen=True)
+class Span:
+    """A run of `numel` elements of `dtype` starting `offset` bytes into a bucket buffer."""
+    offset: int
+    numel: int
+    dtype: str
+
+
+def flat_views(buffer: torch.Tensor, spans: list[Span]) -> list[torch.Tensor]:
+    """Flat views of `buffer` (uint8, from offset 0) at `spans`, made with one split per dtype
+    rather than a slice and two views each: refit packs and loads hundreds of tensors per bucket,
+    and per-tensor Python is what used to dominate its time. ValueError if spans overlap."""
+    views: list[torch.Tensor | None] = [None] * len(spans)
+    for dtype in dict.fromkeys(span.dtype for span in spans):
+        typed = buffer.view(getattr(torch, dtype))
+        element_size = typed.element_size()
+        order = sorted((i for i, span in enumerate(spans) if span.dtype == dtype), key=lambda i: spans[i].offset)
+        sizes, position = [], 0
+        for i in order:
+            start = spans[i].offset // element_size
+            if start < position:
+                raise ValueError(f"span at byte {spans[i].offset} overlaps the previous one")
+            sizes += [start - position, spans[i].numel]
+            position = start + spans[i].numel
+        sizes.append(typed.numel() - position)
+        for i, view in zip(order, typed.split(sizes)[1::2]):
+            views[i] = view
+    return views
+
+
+def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, elements per row) of a tensor shape; a 0-d tensor is one row of one element."""
+    row_numel = 1
+    for d in shape[1:]:
+        row_numel *= d
+    return (shape[0] if shape else 1), row_numel
 
 
 def bucket_checksum(buffer: torch.Tensor) -> int:

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlkit.refit.plan import PackedBucket, RefitPlan
+from rlkit.refit.plan import Bucket, PackedBucket, RefitPlan, Span, flat_views, slot_view
 
 aten = torch.ops.aten
 # ops a loader may run without changing any bytes
@@ -35,6 +35,14 @@ class _Copy:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     after_earlier: bool  # overlaps an earlier write: must not be batched with it
+
+    @property
+    def contiguous_source(self) -> bool:
+        expected, stride = [], 1
+        for d in reversed(self.size):
+            expected.insert(0, stride)
+            stride *= d
+        return all(s == e for d, s, e in zip(self.size, self.stride, expected) if d > 1)
 
     def source(self, buffer: torch.Tensor) -> torch.Tensor:
         typed = buffer.view(self.dtype)
@@ -93,48 +101,106 @@ class _Recorder(TorchDispatchMode):
 
 class LoadReplay:
     """Loads buckets of one RefitPlan into a model: through `load` (the engine's loader, given
-    [(name, tensor)]) the first time each tensor arrives, by replaying the recorded copies after."""
+    [(name, tensor)]) the first time each bucket arrives, by replaying the recorded copies after."""
 
     def __init__(self, plan: RefitPlan, load: Callable[[list[tuple[str, torch.Tensor]]], None]):
         self.plan, self._load = plan, load
         self._recorded: dict[str, list[_Copy | _Fill] | None] = {}  # None: through the loader every time
         self._written: list[tuple[int, int]] = []
+        self._replays: dict[int, _BucketReplay] = {}
 
+    @torch.no_grad()
     def load(self, packed: PackedBucket, verify: bool):
-        views = self.plan.unpack(packed, verify)
-        batch: list[_Copy] = []
-        for name, tensor in views:
-            if name not in self._recorded:
-                self._flush(batch, packed.buffer)
-                self._record(name, tensor, packed.buffer)
-                continue
-            ops = self._recorded[name]
-            if ops is None:
-                self._flush(batch, packed.buffer)
-                self._load([(name, tensor)])
-                continue
-            for op in ops:
-                if isinstance(op, _Fill) or op.after_earlier:
-                    self._flush(batch, packed.buffer)
-                if isinstance(op, _Fill):
-                    op.destination.fill_(op.value)
-                else:
-                    batch.append(op)
-        self._flush(batch, packed.buffer)
-
-    def _record(self, name: str, tensor: torch.Tensor, buffer: torch.Tensor):
-        recorder = _Recorder(buffer, self._written)
-        with recorder:
-            self._load([(name, tensor)])
-        self._recorded[name] = recorder.ops if recorder.replayable else None
-
-    @staticmethod
-    def _flush(batch: list[_Copy], buffer: torch.Tensor):
-        if batch:
-            torch._foreach_copy_([op.destination for op in batch], [op.source(buffer) for op in batch])
-            batch.clear()
+        self.plan.check(packed, verify)
+        bucket = self.plan.buckets[packed.index]
+        if packed.index in self._replays:
+            self._replays[packed.index].run(packed.buffer, self._load)
+            return
+        for slot in bucket.slots:
+            recorder = _Recorder(packed.buffer, self._written)
+            with recorder:
+                self._load([(slot.name, slot_view(slot, packed.buffer))])
+            self._recorded[slot.name] = recorder.ops if recorder.replayable else None
+        self._replays[packed.index] = _BucketReplay(bucket, self._recorded)
 
     @property
     def replayed_fraction(self) -> float:
         """Share of the plan's tensors whose loading is replayed rather than run."""
         return sum(ops is not None for ops in self._recorded.values()) / max(1, len(self.plan.names))
+
+
+class _BucketReplay:
+    """One bucket's recorded loading, compiled once: steps in recorded order with consecutive
+    copies batched into one call, and the sources of contiguous copies cut from the buffer with
+    one split per dtype, so replaying costs a few Python calls per bucket, not per tensor."""
+
+    def __init__(self, bucket: Bucket, recorded: dict[str, list[_Copy | _Fill] | None]):
+        copies = [op for s in bucket.slots for op in recorded[s.name] or () if isinstance(op, _Copy)]
+        self.spans, span_index = _disjoint_spans(copies)
+        self.steps: list[tuple[str, object]] = []
+        destinations, sources = [], []
+
+        def flush():
+            if destinations:
+                self.steps.append(("copies", (list(destinations), list(sources))))
+                destinations.clear(), sources.clear()
+
+        for slot in bucket.slots:
+            ops = recorded[slot.name]
+            if ops is None:
+                flush()
+                self.steps.append(("load", slot))
+                continue
+            for op in ops:
+                if isinstance(op, _Fill) or op.after_earlier:
+                    flush()
+                if isinstance(op, _Fill):
+                    self.steps.append(("fill", op))
+                elif id(op) in span_index and op.destination.is_contiguous():
+                    destinations.append(op.destination.view(-1))
+                    sources.append(span_index[id(op)])
+                else:  # a strided source or destination (e.g. a column slice for a TP shard)
+                    destinations.append(op.destination)
+                    sources.append(op)
+        flush()
+
+    def run(self, buffer: torch.Tensor, load: Callable[[list[tuple[str, torch.Tensor]]], None]):
+        cuts = flat_views(buffer, self.spans)
+        for kind, step in self.steps:
+            if kind == "copies":
+                destinations, sources = step
+                torch._foreach_copy_(destinations, [cuts[s] if isinstance(s, int) else s.source(buffer)
+                                                    for s in sources])
+            elif kind == "fill":
+                step.destination.fill_(step.value)
+            else:
+                load([(step.name, slot_view(step, buffer))])
+
+
+def _disjoint_spans(copies: list[_Copy]) -> tuple[list[Span], dict[int, int]]:
+    """The contiguous sources of `copies` as spans, shared where two copies read the same bytes;
+    {id(copy): span index}. Copies whose source is strided or partly overlaps another's are
+    left out (they take their source by as_strided)."""
+    by_key: dict[tuple[int, int, str], list[_Copy]] = {}
+    for op in copies:
+        if op.contiguous_source:
+            numel = 1
+            for d in op.size:
+                numel *= d
+            by_key.setdefault((op.offset, numel, str(op.dtype).removeprefix("torch.")), []).append(op)
+    keys = sorted(by_key, key=lambda k: (k[2], k[0]))
+    spans, index = [], {}
+    end_of = {}  # dtype -> end byte of the last kept span
+    for offset, numel, dtype in keys:
+        end = offset + numel * _element_size(dtype)
+        if offset < end_of.get(dtype, 0):
+            continue  # partial overlap: strided fallback
+        end_of[dtype] = end
+        for op in by_key[(offset, numel, dtype)]:
+            index[id(op)] = len(spans)
+        spans.append(Span(offset, numel, dtype))
+    return spans, index
+
+
+def _element_size(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()

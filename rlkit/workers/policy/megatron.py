@@ -286,22 +286,23 @@ class MegatronModelWorker:
         bridge, whose per-tensor gathers and name broadcasts cost far more than the copies."""
         self.wake()
         rows = self.bridge.export_rows(self.model)
+        sources = rows.sources() if rows is not None else {}
         manifest = []
         for name, tensor in self.bridge.export_hf_weights(self.model):
             manifest.append((name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
-            if rows is not None and not _assembles(rows.get(name), tensor):
+            if rows is not None and not _assembles(sources.get(name), tensor):
                 rows = None
-        self.export_rows = rows if rows is not None and set(rows) == {m[0] for m in manifest} else None
+        self.export_rows = rows if rows is not None and set(rows.names) == {m[0] for m in manifest} else None
         if self.rank == 0:
             print(f"[{self.name}] refit export: " + ("direct row copies from the parameters"
-                                                    if self.export_rows else "through the bridge"), flush=True)
+                                                    if self.export_rows is not None else "through the bridge"), flush=True)
         return manifest
 
     def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool) -> Iterator[PackedBucket]:
         """The CPU transport's export: every bucket, in plan order, each yielded as soon as it is
         packed. Through the bridge the export is collective: every rank iterates it, only rank 0
         yields buckets."""
-        if self.rank != 0 and self.export_rows:
+        if self.rank != 0 and self.export_rows is not None:
             return
         self._begin_export(plan)
         for _ in plan.buckets:
@@ -315,18 +316,19 @@ class MegatronModelWorker:
     # the plan is checked against what the bridge actually yields.
     def _begin_export(self, plan: RefitPlan):
         self.wake()
+        start = time.perf_counter()
         self._plan, self._next_bucket = plan, 0
-        self._exported = None if self.export_rows else self.bridge.export_hf_weights(self.model)
-        # host seconds in the bridge's export and in packing (kernels may still run after them):
-        # where a refit's time goes on the sending side
-        self._export_seconds = {"export": 0.0, "pack": 0.0}
+        self._exported = None if self.export_rows is not None else self.bridge.export_hf_weights(self.model)
+        self._sources = self.export_rows.sources() if self.export_rows is not None else None
+        # host seconds in the export and in packing (kernels may still run after them): where a
+        # refit's time goes on the sending side
+        self._export_seconds = {"export": time.perf_counter() - start, "pack": 0.0}
 
     def _pack_next(self, with_checksum: bool, out: torch.Tensor | None = None) -> PackedBucket:
         bucket = self._plan.buckets[self._next_bucket]
         start = time.perf_counter()
         if self._exported is None:
-            sources = {s.name: [(piece.source(), piece.first_row) for piece in self.export_rows[s.name]]
-                       for s in bucket.slots}
+            sources = {s.name: self._sources[s.name] for s in bucket.slots}
         else:
             tensors = dict(next(self._exported) for _ in bucket.slots)  # the plan follows export order
             expected = {s.name for s in bucket.slots}
@@ -344,7 +346,7 @@ class MegatronModelWorker:
     def export_stats(self) -> dict:
         """Host seconds the last refit export spent exporting and packing, and whether it copied
         parameter rows directly (else it went through the bridge)."""
-        return {**self._export_seconds, "direct": bool(self.export_rows)}
+        return {**self._export_seconds, "direct": self.export_rows is not None}
 
     def open_ipc_channel(self) -> tuple:
         """The cuda_ipc transport: listen for the generation worker on this GPU; its address."""
@@ -366,7 +368,7 @@ class MegatronModelWorker:
     def broadcast_refit(self, plan: RefitPlan, with_checksum: bool):
         """The nccl transport's export, all buckets in one call: rank 0 packs bucket k+1 while
         bucket k is on the wire. Other ranks take part only in a bridge export's collectives."""
-        if self.rank != 0 and self.export_rows:
+        if self.rank != 0 and self.export_rows is not None:
             return
         self._begin_export(plan)
         for _ in plan.buckets:
@@ -467,8 +469,8 @@ class MegatronModelWorker:
 
 
 def _assembles(pieces: list | None, tensor: torch.Tensor) -> bool:
-    """Whether the row pieces put together equal `tensor`, bit for bit."""
+    """Whether the (rows, first row) pieces put together equal `tensor`, bit for bit."""
     if not pieces:
         return False
-    rows = torch.cat([p.source() for p in sorted(pieces, key=lambda p: p.first_row)])
-    return rows.dtype == tensor.dtype and rows.numel() == tensor.numel() and torch.equal(rows.reshape(tensor.shape), tensor)
+    rows = torch.cat([p.reshape(-1) for p, _ in sorted(pieces, key=lambda piece: piece[1])])
+    return rows.dtype == tensor.dtype and rows.numel() == tensor.numel() and torch.equal(rows, tensor.reshape(-1))
