@@ -50,6 +50,7 @@ def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int])
             results = [refit(plan, False) for _ in range(rounds)]
             checked = refit(plan, True)["refit/seconds"]  # with checksums on, for the record
             median = statistics.median(r["refit/seconds"] for r in results)
+            agreement = logprob_agreement(workers, model_dir)  # after the checksummed refit
             rows.append({
                 "transport": transport, "bucket_mb": bucket_mb, "gbytes": plan.total_bytes / 1e9,
                 "buckets": len(plan.buckets), "seconds": median, "gbytes_per_s": plan.total_bytes / median / 1e9,
@@ -58,10 +59,28 @@ def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int])
                 "pack_host_s": statistics.median(r["timing/refit_pack_host"] for r in results),
                 "direct_export": results[-1]["refit/direct_export"],
                 "replayed_fraction": results[-1]["refit/replayed_fraction"],
-                "first_refit_s": learn_s, "seconds_with_checksums": checked, "setup_s": setup_s})
+                "first_refit_s": learn_s, "seconds_with_checksums": checked, "setup_s": setup_s,
+                "token_mult_prob_error": agreement})
     finally:
         workers.shutdown()
     return rows
+
+
+def logprob_agreement(workers, model_dir: Path) -> float:
+    """token_mult_prob_error of vLLM's sampled tokens under the policy, after a refit: misplaced
+    or stale weights in vLLM would show here, on a random-init model most of all."""
+    from transformers import AutoTokenizer
+
+    from rlkit.data.rollout import rollout_batch
+    from rlkit.refit.verify import logprob_error
+    from rlkit.workers.generation.base import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer(f"{a}+{b}=")["input_ids"] for a in range(4) for b in range(4)]
+    rollout = rollout_batch(prompts, workers.generation.generate(prompts, SamplingParams(16, 1.0, 1.0, 0, seed=0)),
+                            tokenizer.pad_token_id)
+    error = logprob_error(workers.policy.logprobs(rollout), rollout["generation_logprobs"], rollout["response_mask"])
+    return error["refit/token_mult_prob_error"]
 
 
 def main():
@@ -98,7 +117,8 @@ def main():
               f"{r['seconds']:.4f} | {r['export_host_s']:.4f} / {r['pack_host_s']:.4f} | {r['gbytes_per_s']:.1f} | "
               f"{r['limit_gbytes_per_s']:.0f} | {r['ratio']:.1%} |")
     print("sender export direct:", {r["direct_export"] for r in rows},
-          "| vLLM load replayed:", {r["replayed_fraction"] for r in rows})
+          "| vLLM load replayed:", {r["replayed_fraction"] for r in rows},
+          "| token_mult_prob_error:", [round(r["token_mult_prob_error"], 4) for r in rows])
     ray.shutdown()
 
 

@@ -33,6 +33,9 @@ class VLLMGenerationWorker(GenerationWorker):
                        enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",
                        worker_extension_cls="rlkit.workers.generation.vllm_ext.RefitExtension")
         self._asleep_tags: set[str] = set()
+        # set by a refit, cleared by the next generate(): resetting there keeps an engine round
+        # trip off the refit's critical path
+        self._prefix_cache_stale = False
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations:
         from vllm import SamplingParams as VllmSamplingParams
@@ -41,6 +44,9 @@ class VLLMGenerationWorker(GenerationWorker):
         sampling = VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
                                       top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
                                       logprobs=0)
+        if self._prefix_cache_stale:  # cached KV was computed with the old weights
+            self.llm.reset_prefix_cache()
+            self._prefix_cache_stale = False
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sampling,
                                     use_tqdm=False)
         token_ids, logprobs = [], []
@@ -64,17 +70,15 @@ class VLLMGenerationWorker(GenerationWorker):
         raise _object_store_unsupported()
 
     def receive_ipc_refit(self, plan: RefitPlan, verify_checksums: bool, address: tuple) -> dict:
-        stats = self._rpc("rlkit_receive_ipc_refit", plan, verify_checksums, address)[0]
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
-        return stats
+        self._prefix_cache_stale = True
+        return self._rpc("rlkit_receive_ipc_refit", plan, verify_checksums, address)[0]
 
     def init_refit_group(self, host: str, port: int, world_size: int) -> None:
         self._rpc("rlkit_init_refit_group", host, port, world_size, 1 + self.rank)
 
     def receive_refit(self, plan: RefitPlan, verify_checksums: bool) -> dict:
-        stats = self._rpc("rlkit_receive_refit", plan, verify_checksums)[0]
-        self.llm.reset_prefix_cache()
-        return stats
+        self._prefix_cache_stale = True
+        return self._rpc("rlkit_receive_refit", plan, verify_checksums)[0]
 
     def weight_checksums(self) -> dict[str, int]:
         return self._rpc("rlkit_param_checksums")[0]
