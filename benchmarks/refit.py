@@ -58,7 +58,7 @@ def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int])
                 "export_host_s": statistics.median(r["timing/refit_export_host"] for r in results),
                 "pack_host_s": statistics.median(r["timing/refit_pack_host"] for r in results),
                 "direct_export": results[-1]["refit/direct_export"],
-                "replayed_fraction": results[-1]["refit/replayed_fraction"],
+                "replayable_fraction": results[-1]["refit/replayable_fraction"],
                 "first_refit_s": learn_s, "seconds_with_checksums": checked, "setup_s": setup_s,
                 "token_mult_prob_error": agreement})
     finally:
@@ -117,7 +117,7 @@ def main():
               f"{r['seconds']:.4f} | {r['export_host_s']:.4f} / {r['pack_host_s']:.4f} | {r['gbytes_per_s']:.1f} | "
               f"{r['limit_gbytes_per_s']:.0f} | {r['ratio']:.1%} |")
     print("sender export direct:", {r["direct_export"] for r in rows},
-          "| vLLM load replayed:", {r["replayed_fraction"] for r in rows},
+          "| vLLM load replayed:", {r["replayable_fraction"] for r in rows},
           "| token_mult_prob_error:", [round(r["token_mult_prob_error"], 4) for r in rows])
     ray.shutdown()
 

@@ -145,7 +145,7 @@ class ModelBridge:
             except Exception:  # a conversion that computes (casts, arithmetic) rejects integer rows
                 return None
             for name, out in zip(names, outputs):
-                if out.dtype != probe.dtype or tuple(out.shape[1:]) != shape[1:]:
+                if name in rows or out.dtype != probe.dtype or tuple(out.shape[1:]) != shape[1:]:
                     return None
                 row_ids = out.reshape(out.shape[0], -1)[:, 0].tolist() if out.dim() else [int(out)]
                 rows[name] = _runs(param, row_ids)
@@ -184,9 +184,9 @@ class RowExport:
             named.sort(key=lambda item: item[1].source_row)
             row_numel = param[0].numel() if param.dim() else 1
             sizes, position = [], 0
-            for _, piece in named:
+            for name, piece in named:
                 if piece.source_row < position:
-                    raise ValueError(f"two exported tensors share rows of one parameter ({named[0][0]})")
+                    raise ValueError(f"{name} shares rows of one parameter with another exported tensor")
                 sizes += [(piece.source_row - position) * row_numel, piece.rows * row_numel]
                 position = piece.source_row + piece.rows
             sizes.append(param.numel() - position * row_numel)

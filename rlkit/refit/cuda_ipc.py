@@ -8,6 +8,7 @@ An event's wait covers its latest record at the time of the wait call. Each side
 before it sends its message and waits only after the matching message arrived, so every wait
 sees the record it means."""
 
+import hmac
 import secrets
 import socket
 from multiprocessing.connection import Connection
@@ -30,14 +31,18 @@ class _Channel:
     def send(self, message):
         self.conn.send(message)
 
-    def receive(self, waiting_for: str):
+    def receive(self, waiting_for: str, raw: bool = False):
+        """The next message (raw: bytes, not unpickled, at most 64 of them)."""
         try:
             if self.conn.poll(self.timeout_s):
-                return self.conn.recv()
+                return self.conn.recv_bytes(64) if raw else self.conn.recv()
         except (EOFError, OSError):
             raise RuntimeError(f"refit: {self.peer} went away while this side waited for {waiting_for}") from None
         raise RuntimeError(f"refit: {self.peer} sent nothing for {self.timeout_s:.0f}s while this side waited "
                            f"for {waiting_for}; it is dead or stuck")
+
+    def close(self):
+        self.conn.close()
 
 
 class IpcSender:
@@ -45,6 +50,7 @@ class IpcSender:
 
     def __init__(self, timeout_s: float = 300.0):
         self.timeout_s, self.token = timeout_s, secrets.token_bytes(16)
+        # connections are accepted only from this host, and only with the token
         self._server = socket.create_server(("127.0.0.1", 0))
         self._server.settimeout(timeout_s)
         self._channel: _Channel | None = None
@@ -60,17 +66,27 @@ class IpcSender:
             raise RuntimeError(f"refit: no generation worker connected to this policy rank's IPC channel within "
                                f"{self.timeout_s:.0f}s") from None
         channel = _Channel(sock, "the colocated generation worker", self.timeout_s)
-        if channel.receive("its token") != self.token:
+        if not hmac.compare_digest(channel.receive("its token", raw=True), self.token):
+            channel.close()
             raise RuntimeError("refit: a process without this channel's token connected to the IPC channel")
         return channel
 
     def send(self, plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket]):
         """pack(slot_buffer) packs the next bucket into slot_buffer. Returns once the receiver is
-        done with both slots (they are freed on return)."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
+        done with both slots (they are freed on return). On failure the channel is closed, so the
+        receiver fails at once rather than at its timeout, and the next refit reconnects."""
         if self._channel is None:
             self._channel = self._accept()
+        try:
+            self._send(plan, pack)
+        except BaseException:
+            self._channel.close()
+            self._channel = None
+            raise
+
+    def _send(self, plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket]):
+        from torch.multiprocessing.reductions import reduce_tensor
+
         channel, stream = self._channel, torch.cuda.current_stream()
         largest = max(b.nbytes for b in plan.buckets)
         slots = [torch.empty(largest, dtype=torch.uint8, device="cuda") for _ in range(SLOTS)]
@@ -92,6 +108,11 @@ class IpcSender:
             stream.wait_event(loaded_events[index % SLOTS])
         stream.synchronize()
 
+    def close(self):
+        if self._channel is not None:
+            self._channel.close()
+        self._server.close()
+
     def _expect_loaded(self, index: int):
         loaded = self._channel.receive(f"bucket {index} to be loaded")
         if loaded != index:
@@ -106,7 +127,10 @@ class IpcReceiver:
         self.address = address
         sock = socket.create_connection((host, port), timeout=timeout_s)
         self._channel = _Channel(sock, f"the policy rank at {host}:{port}", timeout_s)
-        self._channel.send(token)
+        self._channel.conn.send_bytes(token)
+
+    def close(self):
+        self._channel.close()
 
     def receive(self, plan: RefitPlan, load: Callable[[PackedBucket], None]):
         from torch.multiprocessing.reductions import rebuild_cuda_tensor

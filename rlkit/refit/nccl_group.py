@@ -24,7 +24,8 @@ class RefitGroup:
 
     def send(self, packed: PackedBucket):
         """Broadcast a packed bucket and its checksum on the side stream: the caller may pack the
-        next bucket meanwhile. The buffer of bucket k is reused for k+2 only after k is sent."""
+        next bucket meanwhile, but not the one after until bucket k is sent (at most two
+        buckets' buffers are alive at once)."""
         packed_ready = torch.cuda.current_stream().record_event()
         checksum = torch.tensor([packed.checksum is not None, packed.checksum or 0], dtype=torch.int64,
                                 device=self.device)  # (present?, value)
@@ -43,12 +44,15 @@ class RefitGroup:
     def receive_all(self, plan: RefitPlan, load: Callable[[PackedBucket], None], verify: bool):
         """Receive every bucket of the plan on the side stream into two alternating buffers while
         `load` (on the current stream) takes the previous one out; returns when all are loaded.
-        The checksum header is read, which waits for its bucket, only when verifying."""
+        The checksum header is read, which waits for its bucket, only when verifying. If a load
+        fails, the remaining buckets are still received (so the sender is not left blocked in a
+        broadcast nobody joins) and the failure is raised after."""
         current = torch.cuda.current_stream()
         largest = max(b.nbytes for b in plan.buckets)
         buffers = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
         headers = torch.empty(len(plan.buckets), 2, dtype=torch.int64, device=self.device)
         loaded: list[torch.cuda.Event | None] = [None, None]
+        failure = None
         for bucket in plan.buckets:
             slot = bucket.index % 2
             buffer = buffers[slot][:bucket.nbytes]
@@ -58,13 +62,16 @@ class RefitGroup:
                 self.comm.broadcast(buffer, src=0, stream=self.stream)
                 self.comm.broadcast(headers[bucket.index], src=0, stream=self.stream)
             current.wait_event(self.stream.record_event())
-            checksum = None
-            if verify:
-                present, value = headers[bucket.index].tolist()
-                checksum = value if present else None
-            load(PackedBucket(bucket.index, buffer, checksum))
+            if failure is None:
+                try:
+                    present, value = headers[bucket.index].tolist() if verify else (False, 0)
+                    load(PackedBucket(bucket.index, buffer, value if present else None))
+                except Exception as error:
+                    failure = error
             loaded[slot] = current.record_event()
         current.synchronize()  # the buffers are freed on return
+        if failure is not None:
+            raise failure
 
     def synchronize(self):
         self.stream.synchronize()

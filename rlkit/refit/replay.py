@@ -29,7 +29,9 @@ _VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten.slice, aten.narrow, a
 
 @dataclass(frozen=True)
 class _Copy:
-    destination: torch.Tensor  # a view of a model parameter, valid for the model's lifetime
+    # a view of a model parameter: valid as long as the parameter keeps its storage (vLLM's sleep
+    # mode remaps the same virtual addresses; LoadReplay checks loads do not swap storages)
+    destination: torch.Tensor
     offset: int  # bytes from the start of the bucket buffer to the source view
     dtype: torch.dtype
     size: tuple[int, ...]
@@ -71,10 +73,10 @@ class _Recorder(TorchDispatchMode):
             self._copy(args[0], args[1])
         elif op is aten.fill_ and not isinstance(args[1], torch.Tensor):
             self.ops.append(_Fill(args[0], args[1]))
-            self._overlaps(args[0])
+            self._note_write(args[0])
         elif op is aten.zero_:
             self.ops.append(_Fill(args[0], 0))
-            self._overlaps(args[0])
+            self._note_write(args[0])
         elif op not in _VIEWS:
             self.replayable = False
         return func(*args, **(kwargs or {}))
@@ -85,12 +87,12 @@ class _Recorder(TorchDispatchMode):
         if not from_bucket or destination.shape != source.shape:
             self.replayable = False
             return
-        after_earlier = self._overlaps(destination)
+        after_earlier = self._note_write(destination)
         self.ops.append(_Copy(destination, source.data_ptr() - self.buffer.data_ptr(), source.dtype,
                               tuple(source.shape), tuple(source.stride()), after_earlier))
 
-    def _overlaps(self, destination: torch.Tensor) -> bool:
-        """Whether `destination`'s byte span meets one written earlier in this plan; remembers it."""
+    def _note_write(self, destination: torch.Tensor) -> bool:
+        """Remembers `destination`'s byte span; whether it meets one written earlier in this plan."""
         start = destination.data_ptr()
         end = start + max(1, sum((n - 1) * s for n, s in zip(destination.shape, destination.stride())) + 1) \
             * destination.element_size()
@@ -100,32 +102,44 @@ class _Recorder(TorchDispatchMode):
 
 
 class LoadReplay:
-    """Loads buckets of one RefitPlan into a model: through `load` (the engine's loader, given
-    [(name, tensor)]) the first time each bucket arrives, by replaying the recorded copies after."""
+    """Loads buckets of one RefitPlan into `model` (anything with vLLM's
+    `load_weights(weights=[(name, tensor)])`): through its loader the first time each bucket
+    arrives, by replaying the recorded copies after."""
 
-    def __init__(self, plan: RefitPlan, load: Callable[[list[tuple[str, torch.Tensor]]], None]):
-        self.plan, self._load = plan, load
+    def __init__(self, plan: RefitPlan, model: torch.nn.Module):
+        self.plan, self.model = plan, model
         self._recorded: dict[str, list[_Copy | _Fill] | None] = {}  # None: through the loader every time
         self._written: list[tuple[int, int]] = []
         self._replays: dict[int, _BucketReplay] = {}
+        self._stable = True  # False once a load moved a parameter: recorded destinations may be stale
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]):
+        self.model.load_weights(weights=weights)
 
     @torch.no_grad()
     def load(self, packed: PackedBucket, verify: bool):
         self.plan.check(packed, verify)
         bucket = self.plan.buckets[packed.index]
-        if packed.index in self._replays:
+        if self._stable and packed.index in self._replays:
             self._replays[packed.index].run(packed.buffer, self._load)
             return
+        storage = [p.data_ptr() for p in self.model.parameters()]
         for slot in bucket.slots:
             recorder = _Recorder(packed.buffer, self._written)
             with recorder:
                 self._load([(slot.name, slot_view(slot, packed.buffer))])
             self._recorded[slot.name] = recorder.ops if recorder.replayable else None
+        # a loader that swaps a parameter's storage (param.data = ...) leaves copies recorded
+        # into the old one: from then on everything goes through the loader
+        self._stable = self._stable and storage == [p.data_ptr() for p in self.model.parameters()]
         self._replays[packed.index] = _BucketReplay(bucket, self._recorded)
 
     @property
-    def replayed_fraction(self) -> float:
-        """Share of the plan's tensors whose loading is replayed rather than run."""
+    def replayable_fraction(self) -> float:
+        """Share of the plan's tensors whose loading is replayed once recorded (0 if a load
+        moved a parameter)."""
+        if not self._stable:
+            return 0.0
         return sum(ops is not None for ops in self._recorded.values()) / max(1, len(self.plan.names))
 
 

@@ -86,9 +86,9 @@ class NcclTransport:
     def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
         start = time.perf_counter()
         sends = self.policy.workers.submit("broadcast_refit", plan, verify_checksums)
-        receives = self.generation.workers.submit("receive_refit", plan, verify_checksums)
+        receives = self.generation.workers.submit("receive_nccl_refit", plan, verify_checksums)
         self.policy.workers.wait(sends, "broadcast_refit")
-        return _metrics(plan, start, self.policy, self.generation.workers.wait(receives, "receive_refit"))
+        return _metrics(plan, start, self.policy, self.generation.workers.wait(receives, "receive_nccl_refit"))
 
 
 TRANSPORTS = {"cpu": ObjectStoreTransport, "cuda_ipc": CudaIpcTransport, "nccl": NcclTransport}

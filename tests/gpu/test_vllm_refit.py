@@ -51,7 +51,7 @@ def test_refit_is_bit_exact(refit_setup):
     print(f"refit metrics: {metrics}")
     assert metrics["refit/buckets"] == len(plan.buckets) > 1
     # TP=1 policy: rows copied straight from the parameters; every tensor's load replayed
-    assert metrics["refit/direct_export"] == 1.0 and metrics["refit/replayed_fraction"] == 1.0
+    assert metrics["refit/direct_export"] == 1.0 and metrics["refit/replayable_fraction"] == 1.0
     exported = workers.policy.rank0("export_hf_weights")
     for checksums in workers.generation.call("weight_checksums"):
         for name, checksum in checksums.items():

@@ -76,9 +76,9 @@ class VLLMGenerationWorker(GenerationWorker):
     def init_refit_group(self, host: str, port: int, world_size: int) -> None:
         self._rpc("rlkit_init_refit_group", host, port, world_size, 1 + self.rank)
 
-    def receive_refit(self, plan: RefitPlan, verify_checksums: bool) -> dict:
+    def receive_nccl_refit(self, plan: RefitPlan, verify_checksums: bool) -> dict:
         self._prefix_cache_stale = True
-        return self._rpc("rlkit_receive_refit", plan, verify_checksums)[0]
+        return self._rpc("rlkit_receive_nccl_refit", plan, verify_checksums)[0]
 
     def weight_checksums(self) -> dict[str, int]:
         return self._rpc("rlkit_param_checksums")[0]

@@ -9,7 +9,7 @@ import pickle
 
 import torch
 
-from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan, bucket_checksum
+from rlkit.refit.plan import RefitPlan, bucket_checksum
 from rlkit.refit.replay import LoadReplay
 
 
@@ -22,34 +22,30 @@ def _pickled_args(method):
 
 
 class RefitExtension:
-    def _rlkit_begin(self, plan: RefitPlan, verify: bool):
+    def _rlkit_loader(self, plan: RefitPlan) -> LoadReplay:
+        """This plan's replay of this model's loader; a new plan or model is learned again."""
+        model = self.model_runner.get_model()
         replay = getattr(self, "_rlkit_replay", None)
-        if replay is None or replay.plan != plan:  # a new plan is learned through the loader again
-            model = self.model_runner.get_model()
-            self._rlkit_replay = LoadReplay(plan, lambda weights: model.load_weights(weights=weights))
-        self._rlkit_verify = verify
-        self._rlkit_pending = set(range(len(plan.buckets)))
-
-    def _rlkit_load(self, packed: PackedBucket):
-        self._rlkit_replay.load(packed, self._rlkit_verify)
-        self._rlkit_pending.discard(packed.index)
-
-    def _rlkit_end(self) -> dict:
-        if self._rlkit_pending:
-            raise RefitIntegrityError(f"refit incomplete: buckets {sorted(self._rlkit_pending)} never arrived")
-        return {"refit/replayed_fraction": self._rlkit_replay.replayed_fraction}
+        if replay is None or replay.plan != plan or replay.model is not model:
+            replay = self._rlkit_replay = LoadReplay(plan, model)
+        return replay
 
     @_pickled_args
     def rlkit_receive_ipc_refit(self, plan: RefitPlan, verify: bool, address: tuple) -> dict:
         """The cuda_ipc transport: every bucket of the plan in one call, from the policy rank on
-        this GPU (connected at the first refit)."""
+        this GPU (connected at the first refit, and again after a failed one)."""
         from rlkit.refit.cuda_ipc import IpcReceiver
 
-        self._rlkit_begin(plan, verify)
+        replay = self._rlkit_loader(plan)
         if getattr(self, "_rlkit_ipc", None) is None or self._rlkit_ipc.address != address:
             self._rlkit_ipc = IpcReceiver(address)
-        self._rlkit_ipc.receive(plan, self._rlkit_load)
-        return self._rlkit_end()
+        try:
+            self._rlkit_ipc.receive(plan, lambda packed: replay.load(packed, verify))
+        except BaseException:
+            self._rlkit_ipc.close()  # the sender sees the channel close instead of waiting out its timeout
+            self._rlkit_ipc = None
+            raise
+        return {"refit/replayable_fraction": replay.replayable_fraction}
 
     @_pickled_args
     def rlkit_init_refit_group(self, host: str, port: int, world_size: int, rank: int):
@@ -57,11 +53,11 @@ class RefitExtension:
         self._rlkit_group = RefitGroup(host, port, rank, world_size)
 
     @_pickled_args
-    def rlkit_receive_refit(self, plan: RefitPlan, verify: bool) -> dict:
+    def rlkit_receive_nccl_refit(self, plan: RefitPlan, verify: bool) -> dict:
         """The nccl transport: every bucket of the plan in one call."""
-        self._rlkit_begin(plan, verify)
-        self._rlkit_group.receive_all(plan, self._rlkit_load, verify)
-        return self._rlkit_end()
+        replay = self._rlkit_loader(plan)
+        self._rlkit_group.receive_all(plan, lambda packed: replay.load(packed, verify))
+        return {"refit/replayable_fraction": replay.replayable_fraction}
 
     @_pickled_args
     def rlkit_param_checksums(self) -> dict[str, int]:

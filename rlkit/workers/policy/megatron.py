@@ -60,8 +60,9 @@ class MegatronModelWorker:
         else:
             self.bridge.load_hf_weights(self.model)
         self.offloaded = None  # CPU copies of what sleep() moved off the GPU
-        self.export_rows = None  # set by refit_manifest where refits can copy rows directly
-        self._export_seconds = {"export": 0.0, "pack": 0.0}  # of the last refit (export_stats)
+        self._row_export = None  # set by refit_manifest where refits can copy rows directly
+        # of the last refit (export_stats); ranks that skip a refit's export report zeros
+        self._export_seconds = {"export": 0.0, "pack": 0.0}
         # built at the first train() call: inference-only uses (verify-refit, benchmarks) never
         # pay for fp32 main weights and Adam state
         self.optimizer = None
@@ -292,17 +293,17 @@ class MegatronModelWorker:
             manifest.append((name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
             if rows is not None and not _assembles(sources.get(name), tensor):
                 rows = None
-        self.export_rows = rows if rows is not None and set(rows.names) == {m[0] for m in manifest} else None
+        self._row_export = rows if rows is not None and set(rows.names) == {m[0] for m in manifest} else None
         if self.rank == 0:
             print(f"[{self.name}] refit export: " + ("direct row copies from the parameters"
-                                                    if self.export_rows is not None else "through the bridge"), flush=True)
+                                                    if self._row_export is not None else "through the bridge"), flush=True)
         return manifest
 
     def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool) -> Iterator[PackedBucket]:
         """The CPU transport's export: every bucket, in plan order, each yielded as soon as it is
         packed. Through the bridge the export is collective: every rank iterates it, only rank 0
         yields buckets."""
-        if self.rank != 0 and self.export_rows is not None:
+        if self.rank != 0 and self._row_export is not None:
             return
         self._begin_export(plan)
         for _ in plan.buckets:
@@ -318,8 +319,8 @@ class MegatronModelWorker:
         self.wake()
         start = time.perf_counter()
         self._plan, self._next_bucket = plan, 0
-        self._exported = None if self.export_rows is not None else self.bridge.export_hf_weights(self.model)
-        self._sources = self.export_rows.sources() if self.export_rows is not None else None
+        self._exported = None if self._row_export is not None else self.bridge.export_hf_weights(self.model)
+        self._sources = self._row_export.sources() if self._row_export is not None else None
         # host seconds in the export and in packing (kernels may still run after them): where a
         # refit's time goes on the sending side
         self._export_seconds = {"export": time.perf_counter() - start, "pack": 0.0}
@@ -346,11 +347,13 @@ class MegatronModelWorker:
     def export_stats(self) -> dict:
         """Host seconds the last refit export spent exporting and packing, and whether it copied
         parameter rows directly (else it went through the bridge)."""
-        return {**self._export_seconds, "direct": self.export_rows is not None}
+        return {**self._export_seconds, "direct": self._row_export is not None}
 
     def open_ipc_channel(self) -> tuple:
         """The cuda_ipc transport: listen for the generation worker on this GPU; its address."""
         from rlkit.refit.cuda_ipc import IpcSender
+        if getattr(self, "_ipc", None) is not None:
+            self._ipc.close()
         self._ipc = IpcSender()
         return self._ipc.address
 
@@ -368,7 +371,7 @@ class MegatronModelWorker:
     def broadcast_refit(self, plan: RefitPlan, with_checksum: bool):
         """The nccl transport's export, all buckets in one call: rank 0 packs bucket k+1 while
         bucket k is on the wire. Other ranks take part only in a bridge export's collectives."""
-        if self.rank != 0 and self.export_rows is not None:
+        if self.rank != 0 and self._row_export is not None:
             return
         self._begin_export(plan)
         for _ in plan.buckets:
