@@ -26,7 +26,7 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     numel = 1
     for d in shape:
         numel *= d
-    return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return numel * getattr(torch, dtype).itemsize
 
 
 def _aligned(n: int) -> int:
@@ -130,16 +130,17 @@ class RefitPlan:
         spans, pieces = [], []
         for slot in bucket.slots:
             rows, row_numel = _rows(slot.shape)
-            element_size = _nbytes((), slot.dtype)
+            element_size = getattr(torch, slot.dtype).itemsize
             covered = 0
             for piece, first_row in sources[slot.name]:
-                piece_rows = piece.numel() // row_numel
-                if ((piece.dim() > 1 and tuple(piece.shape[1:]) != slot.shape[1:]) or piece.numel() % row_numel
+                numel = piece.numel()
+                piece_rows = numel // row_numel
+                if ((piece.dim() > 1 and tuple(piece.shape[1:]) != slot.shape[1:]) or numel % row_numel
                         or first_row + piece_rows > rows):
                     raise RefitIntegrityError(f"refit: {slot.name} has rows of shape {tuple(piece.shape)} at row "
                                               f"{first_row} but the plan says {slot.shape}; the plan is stale, "
                                               "rebuild it")
-                spans.append(Span(slot.offset + first_row * row_numel * element_size, piece.numel(), slot.dtype))
+                spans.append(Span(slot.offset + first_row * row_numel * element_size, numel, slot.dtype))
                 pieces.append(piece if piece.dim() == 1 else piece.reshape(-1))
                 covered += piece_rows
             if covered != rows:

@@ -206,7 +206,7 @@ def _disjoint_spans(copies: list[_Copy]) -> tuple[list[Span], dict[int, int]]:
     spans, index = [], {}
     end_of = {}  # dtype -> end byte of the last kept span
     for offset, numel, dtype in keys:
-        end = offset + numel * _element_size(dtype)
+        end = offset + numel * getattr(torch, dtype).itemsize
         if offset < end_of.get(dtype, 0):
             continue  # partial overlap: strided fallback
         end_of[dtype] = end
@@ -214,7 +214,3 @@ def _disjoint_spans(copies: list[_Copy]) -> tuple[list[Span], dict[int, int]]:
             index[id(op)] = len(spans)
         spans.append(Span(offset, numel, dtype))
     return spans, index
-
-
-def _element_size(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
