@@ -300,9 +300,9 @@ class MegatronModelWorker:
         return manifest
 
     def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool) -> Iterator[PackedBucket]:
-        """The CPU transport's export: every bucket, in plan order, each yielded as soon as it is
-        packed. Through the bridge the export is collective: every rank iterates it, only rank 0
-        yields buckets."""
+        """Every bucket, in plan order, each yielded as soon as it is packed: the CPU transport
+        streams them through Ray, the nccl transport broadcasts them. Through the bridge the
+        export is collective: every rank iterates it, only rank 0 yields buckets."""
         if self.rank != 0 and self._row_export is not None:
             return
         self._begin_export(plan)
@@ -371,14 +371,8 @@ class MegatronModelWorker:
     def broadcast_refit(self, plan: RefitPlan, with_checksum: bool):
         """The nccl transport's export, all buckets in one call: rank 0 packs bucket k+1 while
         bucket k is on the wire. Other ranks take part only in a bridge export's collectives."""
-        if self.rank != 0 and self._row_export is not None:
-            return
-        self._begin_export(plan)
-        for _ in plan.buckets:
-            packed = self._pack_next(with_checksum)
-            if self.rank == 0:
-                self._refit_group.send(packed)
-        self._end_export()
+        for packed in self.stream_refit_buckets(plan, with_checksum):
+            self._refit_group.send(packed)
 
     def _end_export(self):
         if self._exported is not None and next(self._exported, None) is not None:
