@@ -169,9 +169,10 @@ class RowPiece:
 
 
 class RowExport:
-    """The row pieces of ModelBridge.export_rows, materialised at each refit as flat views: one
-    split per parameter, because refit time at this size is per-tensor Python, not bytes.
-    Views are taken at each refit, not kept: whatever `param.data` is then is what gets sent."""
+    """The row pieces of ModelBridge.export_rows as flat views of the parameters: one split per
+    parameter, because refit time at this size is per-tensor Python, not bytes. The views are
+    kept while every parameter keeps its storage (sleep/wake resizes storages in place, which
+    views follow); a parameter given new storage gets fresh views."""
 
     def __init__(self, rows: dict[str, list[RowPiece]]):
         by_param: dict[int, tuple[torch.nn.Parameter, list[tuple[str, RowPiece]]]] = {}
@@ -191,14 +192,19 @@ class RowExport:
                 position = piece.source_row + piece.rows
             sizes.append(param.numel() - position * row_numel)
             self._splits.append((param, sizes, [(name, piece.first_row) for name, piece in named]))
+        self._sources, self._storages = None, None
 
     def sources(self) -> dict[str, list[tuple[torch.Tensor, int]]]:
-        """{hf name: [(flat rows, first row)]}, the form RefitPlan.pack takes."""
-        out: dict[str, list[tuple[torch.Tensor, int]]] = {name: [] for name in self.names}
-        for param, sizes, targets in self._splits:
-            for (name, first_row), rows in zip(targets, param.detach().view(-1).split(sizes)[1::2]):
-                out[name].append((rows, first_row))
-        return out
+        """{hf name: [(flat rows, first row)]}, the form RefitPlan.pack takes; the same object
+        as long as the parameters keep their storages."""
+        storages = [param.untyped_storage()._cdata for param, _, _ in self._splits]
+        if storages != self._storages:
+            self._sources = {name: [] for name in self.names}
+            for param, sizes, targets in self._splits:
+                for (name, first_row), rows in zip(targets, param.detach().view(-1).split(sizes)[1::2]):
+                    self._sources[name].append((rows, first_row))
+            self._storages = storages
+        return self._sources
 
 
 def _runs(param: torch.nn.Parameter, row_ids: list[int]) -> list[RowPiece]:

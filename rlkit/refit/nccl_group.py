@@ -1,12 +1,19 @@
 """The refit communicator for the nccl transport: policy rank 0 (rank 0 here) and every
 generation worker, outside both sides' own process groups. Built on vLLM's stateless process
-group and PyNccl so it needs no shared torch.distributed world."""
+group and PyNccl so it needs no shared torch.distributed world.
+
+Both sides keep two bucket buffers across refits (regrown when a plan needs larger ones) and
+alternate them: the sender packs bucket k+1 while bucket k is on the wire, each receiver loads
+bucket k while k+1 arrives. Hosts wait on events with a deadline, so a peer that never joins a
+broadcast is an error, not a hang. A communicator that failed mid-refit cannot tell which
+broadcast its peers are in, so it refuses further refits."""
 
 from datetime import timedelta
 from typing import Callable
 
 import torch
 
+from rlkit.refit.channel import wait_event
 from rlkit.refit.plan import PackedBucket, RefitPlan
 
 
@@ -17,61 +24,84 @@ class RefitGroup:
 
         group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
                                              store_timeout=int(timedelta(seconds=timeout_s).total_seconds()))
+        self.timeout_s = timeout_s
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.comm = PyNcclCommunicator(group, device=self.device)
         self.stream = torch.cuda.Stream(device=self.device)
-        self._sent: list[torch.cuda.Event | None] = [None, None]
+        self._buffers: list[torch.Tensor] = []
+        self._broken: str | None = None
 
-    def send(self, packed: PackedBucket):
-        """Broadcast a packed bucket and its checksum on the side stream: the caller may pack the
-        next bucket meanwhile, but not the one after until bucket k is sent (at most two
-        buckets' buffers are alive at once)."""
-        packed_ready = torch.cuda.current_stream().record_event()
-        checksum = torch.tensor([packed.checksum is not None, packed.checksum or 0], dtype=torch.int64,
-                                device=self.device)  # (present?, value)
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(packed_ready)
-            self.comm.broadcast(packed.buffer, src=0, stream=self.stream)
-            self.comm.broadcast(checksum, src=0, stream=self.stream)
-            packed.buffer.record_stream(self.stream)
-            checksum.record_stream(self.stream)
-        sent = self.stream.record_event()
-        slot = packed.index % 2
-        if self._sent[slot] is not None:
-            torch.cuda.current_stream().wait_event(self._sent[slot])
-        self._sent[slot] = sent
+    def _buffers_for(self, plan: RefitPlan) -> list[torch.Tensor]:
+        if self._broken is not None:
+            raise RuntimeError(f"refit: the nccl refit communicator failed in an earlier refit ({self._broken}); "
+                               "its peers may be anywhere in a broadcast, so restart the run")
+        largest = max(b.nbytes for b in plan.buckets)
+        if not self._buffers or self._buffers[0].numel() < largest:
+            self._buffers = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._buffers
+
+    def send_all(self, plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket]):
+        """pack(buffer) packs the next bucket into buffer, on the current stream; each bucket
+        (and, when it carries one, its checksum) is broadcast on the side stream."""
+        buffers, current = self._buffers_for(plan), torch.cuda.current_stream()
+        sent: list[torch.cuda.Event | None] = [None, None]
+        try:
+            for bucket in plan.buckets:
+                slot = bucket.index % 2
+                if sent[slot] is not None:
+                    wait_event(sent[slot], self.timeout_s, f"the generation workers to receive bucket {bucket.index - 2}")
+                packed = pack(buffers[slot])
+                packed_ready = current.record_event()
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(packed_ready)
+                    self.comm.broadcast(packed.buffer, src=0, stream=self.stream)
+                    if packed.checksum is not None:
+                        header = torch.tensor([packed.checksum], dtype=torch.int64, device=self.device)
+                        self.comm.broadcast(header, src=0, stream=self.stream)
+                        header.record_stream(self.stream)
+                sent[slot] = self.stream.record_event()
+            for event in sent:
+                if event is not None:
+                    wait_event(event, self.timeout_s, "the generation workers to receive the last buckets")
+        except BaseException as error:
+            self._broken = f"{type(error).__name__}: {error}"
+            raise
 
     def receive_all(self, plan: RefitPlan, load: Callable[[PackedBucket], None], verify: bool):
-        """Receive every bucket of the plan on the side stream into two alternating buffers while
-        `load` (on the current stream) takes the previous one out; returns when all are loaded.
-        The checksum header is read, which waits for its bucket, only when verifying. If a load
-        fails, the remaining buckets are still received (so the sender is not left blocked in a
-        broadcast nobody joins) and the failure is raised after."""
-        current = torch.cuda.current_stream()
-        largest = max(b.nbytes for b in plan.buckets)
-        buffers = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        headers = torch.empty(len(plan.buckets), 2, dtype=torch.int64, device=self.device)
+        """Receive every bucket of the plan on the side stream while `load` (on the current
+        stream) takes the previous one out; returns when all are loaded. Checksums travel only
+        when verifying (the sender's RefitStart says so to both). If a load fails, the remaining
+        buckets are still received, so the sender is not left in a broadcast nobody joins, and
+        the failure is raised after."""
+        buffers, current = self._buffers_for(plan), torch.cuda.current_stream()
+        headers = torch.empty(len(plan.buckets), dtype=torch.int64, device=self.device)
         loaded: list[torch.cuda.Event | None] = [None, None]
         failure = None
-        for bucket in plan.buckets:
-            slot = bucket.index % 2
-            buffer = buffers[slot][:bucket.nbytes]
-            with torch.cuda.stream(self.stream):
-                if loaded[slot] is not None:  # bucket k-2 is out of this buffer
-                    self.stream.wait_event(loaded[slot])
-                self.comm.broadcast(buffer, src=0, stream=self.stream)
-                self.comm.broadcast(headers[bucket.index], src=0, stream=self.stream)
-            current.wait_event(self.stream.record_event())
-            if failure is None:
-                try:
-                    present, value = headers[bucket.index].tolist() if verify else (False, 0)
-                    load(PackedBucket(bucket.index, buffer, value if present else None))
-                except Exception as error:
-                    failure = error
-            loaded[slot] = current.record_event()
-        current.synchronize()  # the buffers are freed on return
+        try:
+            for bucket in plan.buckets:
+                slot = bucket.index % 2
+                buffer = buffers[slot][:bucket.nbytes]
+                with torch.cuda.stream(self.stream):
+                    if loaded[slot] is not None:  # bucket k-2 is out of this buffer
+                        self.stream.wait_event(loaded[slot])
+                    self.comm.broadcast(buffer, src=0, stream=self.stream)
+                    if verify:
+                        self.comm.broadcast(headers[bucket.index: bucket.index + 1], src=0, stream=self.stream)
+                arrived = self.stream.record_event()
+                current.wait_event(arrived)
+                if failure is None:
+                    try:
+                        checksum = None
+                        if verify:  # reading the checksum waits for the bucket
+                            wait_event(arrived, self.timeout_s, f"bucket {bucket.index} from the policy")
+                            checksum = int(headers[bucket.index])
+                        load(PackedBucket(bucket.index, buffer, checksum))
+                    except Exception as error:
+                        failure = error
+                loaded[slot] = current.record_event()
+            wait_event(current.record_event(), self.timeout_s, "the policy's last buckets")
+        except BaseException as error:
+            self._broken = f"{type(error).__name__}: {error}"
+            raise
         if failure is not None:
             raise failure
-
-    def synchronize(self):
-        self.stream.synchronize()

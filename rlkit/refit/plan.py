@@ -127,6 +127,14 @@ class RefitPlan:
         device = next(iter(sources.values()))[0][0].device if sources else "cpu"
         # padding bytes stay uninitialised: both sides checksum the same bytes
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device) if out is None else out[:bucket.nbytes]
+        return self.pack_copies(index, buffer, self.copies(index, sources, buffer), with_checksum)
+
+    def copies(self, index: int, sources: dict[str, list[tuple[torch.Tensor, int]]],
+               buffer: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(destinations in `buffer`, pieces): the copies that pack bucket `index` from `sources`
+        (see pack), checked against the plan. A sender whose sources and buffers stay put can
+        keep them and pack with pack_copies alone."""
+        bucket = self.buckets[index]
         spans, pieces = [], []
         for slot in bucket.slots:
             rows, row_numel = _rows(slot.shape)
@@ -146,12 +154,18 @@ class RefitPlan:
             if covered != rows:
                 raise RefitIntegrityError(f"refit: {slot.name} got {covered} rows, the plan says {slot.shape}; the "
                                           "plan is stale, rebuild it")
+        try:
+            return flat_views(buffer, spans), pieces
+        except ValueError:
+            raise RefitIntegrityError(f"refit: pieces of {bucket.describe()} overlap; the plan is stale, "
+                                      "rebuild it") from None
+
+    @torch.no_grad()
+    def pack_copies(self, index: int, buffer: torch.Tensor, copies: tuple[list[torch.Tensor], list[torch.Tensor]],
+                    with_checksum: bool) -> PackedBucket:
+        """Runs the copies of `copies()` as one batched copy: bucket `index` packed in `buffer`."""
+        destinations, pieces = copies
         if pieces:
-            try:
-                destinations = flat_views(buffer, spans)
-            except ValueError:
-                raise RefitIntegrityError(f"refit: pieces of {bucket.describe()} overlap; the plan is stale, "
-                                          "rebuild it") from None
             torch._foreach_copy_(destinations, pieces)
         return PackedBucket(index, buffer, bucket_checksum(buffer) if with_checksum else None)
 
@@ -218,11 +232,21 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
     return (shape[0] if shape else 1), row_numel
 
 
+_CHECKSUM_WORDS = 1 << 26  # words per chunk: bounds the int64 temporaries to ~1.5 GB for any bucket size
+
+
 def bucket_checksum(buffer: torch.Tensor) -> int:
     """Fletcher-style checksum of a uint8 buffer, computed on its own device: sensitive to
-    flipped bits and to reordered words. Integer arithmetic wraps identically on CPU and GPU."""
+    flipped bits and to reordered words. Integer arithmetic wraps identically on CPU and GPU,
+    and modulo 2**64 chunked sums equal whole ones."""
     padded = torch.nn.functional.pad(buffer, (0, (-buffer.numel()) % 4))
-    words = padded.view(torch.int32).to(torch.int64)
-    positions = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
-    value = (int(words.sum().item()) * 1_000_003 + int((words * positions).sum().item())) % 2**64
+    words = padded.view(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), _CHECKSUM_WORDS):
+        chunk = words[start: start + _CHECKSUM_WORDS].to(torch.int64)
+        positions = torch.arange(start + 1, start + 1 + chunk.numel(), device=words.device, dtype=torch.int64)
+        total += chunk.sum()
+        weighted += (chunk * positions).sum()
+    value = (int(total.item()) * 1_000_003 + int(weighted.item())) % 2**64
     return value - 2**64 if value >= 2**63 else value  # a signed 64-bit int, so it fits an int64 tensor

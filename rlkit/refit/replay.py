@@ -134,6 +134,12 @@ class LoadReplay:
         self._stable = self._stable and storage == [p.data_ptr() for p in self.model.parameters()]
         self._replays[packed.index] = _BucketReplay(bucket, self._recorded)
 
+    def release_buffers(self):
+        """Drops every view of a received buffer: a transport about to replace its buffers (e.g.
+        unmap IPC slots the sender will free) calls this first."""
+        for replay in self._replays.values():
+            replay.bound.clear()
+
     @property
     def replayable_fraction(self) -> float:
         """Share of the plan's tensors whose loading is replayed once recorded (0 if a load
@@ -146,7 +152,8 @@ class LoadReplay:
 class _BucketReplay:
     """One bucket's recorded loading, compiled once: steps in recorded order with consecutive
     copies batched into one call, and the sources of contiguous copies cut from the buffer with
-    one split per dtype, so replaying costs a few Python calls per bucket, not per tensor."""
+    one split per dtype. The cut sources are kept per buffer (transports alternate two that
+    live across refits), so replaying costs a few Python calls per bucket, not per tensor."""
 
     def __init__(self, bucket: Bucket, recorded: dict[str, list[_Copy | _Fill] | None]):
         copies = [op for s in bucket.slots for op in recorded[s.name] or () if isinstance(op, _Copy)]
@@ -177,18 +184,29 @@ class _BucketReplay:
                     destinations.append(op.destination)
                     sources.append(op)
         flush()
+        self.bound: dict[int, list[tuple[str, object]]] = {}  # buffer address -> steps with sources cut from it
 
     def run(self, buffer: torch.Tensor, load: Callable[[list[tuple[str, torch.Tensor]]], None]):
-        cuts = flat_views(buffer, self.spans)
-        for kind, step in self.steps:
+        for kind, step in self._bind(buffer):
             if kind == "copies":
-                destinations, sources = step
-                torch._foreach_copy_(destinations, [cuts[s] if isinstance(s, int) else s.source(buffer)
-                                                    for s in sources])
+                torch._foreach_copy_(*step)
             elif kind == "fill":
                 step.destination.fill_(step.value)
             else:
                 load([(step.name, slot_view(step, buffer))])
+
+    def _bind(self, buffer: torch.Tensor) -> list[tuple[str, object]]:
+        """The steps with their sources cut from `buffer`, made at its first use. The kept views
+        hold the buffer alive, so another buffer cannot take its address while they are kept."""
+        key = buffer.data_ptr()
+        if key not in self.bound:
+            if len(self.bound) >= 2:  # a transport alternates two buffers; anything older is gone
+                self.bound.clear()
+            cuts = flat_views(buffer, self.spans)
+            self.bound[key] = [
+                (kind, (step[0], [cuts[s] if isinstance(s, int) else s.source(buffer) for s in step[1]]))
+                if kind == "copies" else (kind, step) for kind, step in self.steps]
+        return self.bound[key]
 
 
 def _disjoint_spans(copies: list[_Copy]) -> tuple[list[Span], dict[int, int]]:

@@ -6,6 +6,12 @@ Every transport is driven by the same RefitPlan; only how bytes travel differs:
             worker on that GPU maps through CUDA IPC handles; the slots alternate
   nccl      disaggregated: policy rank 0 broadcasts each bucket to every generation worker on a
             dedicated communicator, packing bucket k+1 while bucket k is on the wire
+
+The GPU transports set up, once, a standing receiver in each generation worker's processes
+(rlkit/refit/channel.py); a refit is then one call to the policy, which starts it on its
+channel and returns every receiver's report. Waits inside a refit are bounded by half of
+cluster.call_timeout_s, so a dead or stuck peer is named by the side that waited for it before
+the controller's own wait for the call runs out.
 """
 
 import time
@@ -15,12 +21,10 @@ from rlkit.cluster.worker_group import rendezvous_address
 from rlkit.refit.plan import RefitPlan
 
 
-def _metrics(plan: RefitPlan, start: float, policy: PolicyGroup, received: list[dict]) -> dict:
+def _metrics(plan: RefitPlan, seconds: float, sender: dict, received: list[dict]) -> dict:
     """Time and throughput of the whole refit, the sender's share of it (policy rank 0's host
     seconds in the export and in packing; the rest is transport and loading), whether the sender
     copied parameter rows directly, and what the first generation worker reports of its side."""
-    seconds = time.perf_counter() - start
-    sender = policy.rank0("export_stats")
     return {"refit/seconds": seconds, "refit/gbytes_per_s": plan.total_bytes / seconds / 1e9,
             "refit/buckets": len(plan.buckets), "timing/refit_export_host": sender["export"],
             "timing/refit_pack_host": sender["pack"], "refit/direct_export": float(sender["direct"]),
@@ -47,48 +51,56 @@ class ObjectStoreTransport:
         for rank, stream in enumerate(streams[1:], start=1):  # other ranks only join the collectives
             self.policy.workers.wait(list(stream), "stream_refit_buckets", ranks=[rank])
         self.generation.workers.wait(loads, "load_bucket", ranks=owners)
-        return _metrics(plan, start, self.policy, self.generation.call("end_refit"))
+        received = self.generation.call("end_refit")
+        return _metrics(plan, time.perf_counter() - start, self.policy.rank0("export_stats"), received)
 
 
-class CudaIpcTransport:
-    """Generation worker i shares a GPU with policy rank i (colocated placement). One call per
-    side moves the whole plan: policy rank i packs into two IPC-shared slots on its GPU while
-    generation worker i loads from the other (rlkit/refit/cuda_ipc.py)."""
-
-    def __init__(self, policy: PolicyGroup, generation: GenerationGroup, placement_group):
-        self.policy, self.generation = policy, generation
-        self.addresses = policy.call("open_ipc_channel")
+class _StandingTransport:
+    """A refit is one call to the policy (`send` on every rank); the generation workers are
+    told their weights change in parallel, which costs the refit nothing."""
+    send = ""
 
     def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
         start = time.perf_counter()
-        sends = self.policy.workers.submit("send_ipc_refit", plan, verify_checksums)
-        receives = [actor.receive_ipc_refit.remote(plan, verify_checksums, self.addresses[i])
-                    for i, actor in enumerate(self.generation.workers.actors)]
-        self.policy.workers.wait(sends, "send_ipc_refit")
-        return _metrics(plan, start, self.policy, self.generation.workers.wait(receives, "receive_ipc_refit"))
+        sends = self.policy.workers.submit(self.send, plan, verify_checksums)
+        marks = self.generation.workers.submit("weights_changing")
+        sent = self.policy.workers.wait(sends, self.send)
+        seconds = time.perf_counter() - start
+        self.generation.workers.wait(marks, "weights_changing")
+        return _metrics(plan, seconds, sent[0], [r for rank in sent for r in rank.get("received", [])])
 
 
-class NcclTransport:
-    """A communicator of policy rank 0 (rank 0 in it) and every generation worker, made once.
-    One call per side moves the whole plan: the sender packs bucket k+1 while bucket k is on the
-    wire, each receiver loads bucket k while bucket k+1 arrives. Every wait is bounded by
-    cluster.call_timeout_s, so a dead peer is an error naming it."""
+class CudaIpcTransport(_StandingTransport):
+    """Generation worker i shares a GPU with policy rank i (colocated placement), and receives
+    from it alone (rlkit/refit/cuda_ipc.py)."""
+    send = "send_ipc_refit"
 
     def __init__(self, policy: PolicyGroup, generation: GenerationGroup, placement_group):
         self.policy, self.generation = policy, generation
+        timeout_s = policy.workers.timeout_s / 2
+        addresses = policy.call("open_refit_channel", 1, timeout_s)
+        generation.workers.wait([actor.start_refit_receiver.remote("cuda_ipc", addresses[i], timeout_s)
+                                 for i, actor in enumerate(generation.workers.actors)], "start_refit_receiver")
+
+
+class NcclTransport(_StandingTransport):
+    """A communicator of policy rank 0 (rank 0 in it) and every generation worker, made once;
+    rank 0's channel reaches every generation worker's receiver."""
+    send = "broadcast_refit"
+
+    def __init__(self, policy: PolicyGroup, generation: GenerationGroup, placement_group):
+        self.policy, self.generation = policy, generation
+        timeout_s = policy.workers.timeout_s / 2
         host, port = rendezvous_address(placement_group, 0)
         world = 1 + len(generation.workers)
-        refs = policy.workers.submit("init_refit_group", host, port, 0, world, ranks=[0])
-        refs += generation.workers.submit("init_refit_group", host, port, world)
+        refs = policy.workers.submit("init_refit_group", host, port, 0, world, timeout_s, ranks=[0])
+        refs += generation.workers.submit("init_refit_group", host, port, world, timeout_s)
         policy.workers.wait(refs[:1], "init_refit_group", ranks=[0])
         generation.workers.wait(refs[1:], "init_refit_group")
-
-    def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
-        start = time.perf_counter()
-        sends = self.policy.workers.submit("broadcast_refit", plan, verify_checksums)
-        receives = self.generation.workers.submit("receive_nccl_refit", plan, verify_checksums)
-        self.policy.workers.wait(sends, "broadcast_refit")
-        return _metrics(plan, start, self.policy, self.generation.workers.wait(receives, "receive_nccl_refit"))
+        address, = policy.workers.wait(policy.workers.submit("open_refit_channel", len(generation.workers), timeout_s,
+                                                             ranks=[0]), "open_refit_channel", ranks=[0])
+        generation.workers.wait(generation.workers.submit("start_refit_receiver", "nccl", address, timeout_s),
+                                "start_refit_receiver")
 
 
 TRANSPORTS = {"cpu": ObjectStoreTransport, "cuda_ipc": CudaIpcTransport, "nccl": NcclTransport}

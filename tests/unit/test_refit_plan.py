@@ -188,6 +188,19 @@ def test_corrupted_byte_names_bucket_and_tensor():
         plan.unpack(PackedBucket(1, swapped, packed.checksum), verify=True)
 
 
+def test_checksum_does_not_depend_on_its_chunking(monkeypatch):
+    """Large buckets are checksummed in chunks (bounded memory); the value must be the one a
+    single pass gives, or senders and receivers with other chunk sizes would disagree."""
+    from rlkit.refit import plan as plan_module
+
+    gen = torch.Generator().manual_seed(0)
+    buffers = [torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8) for n in (1, 4001, 12_345)]
+    buffers.append(torch.full((10_000,), 255, dtype=torch.uint8))  # the int64 sums wrap
+    whole_pass = [plan_module.bucket_checksum(b) for b in buffers]
+    monkeypatch.setattr(plan_module, "_CHECKSUM_WORDS", 1000)
+    assert [plan_module.bucket_checksum(b) for b in buffers] == whole_pass
+
+
 @pytest.mark.parametrize("delta", [-1, 1])
 def test_wrong_size_buffer_raises(delta):
     plan = RefitPlan.build(MIXED, bucket_bytes=1 << 20)

@@ -27,8 +27,8 @@ class Generations:
 
 class GenerationWorker(ABC):
     """begin_refit / load_bucket / end_refit are the CPU transport's protocol (buckets through
-    Ray's object store). The GPU transports (cuda_ipc, nccl) move a whole plan in one call on
-    their own methods of the vLLM worker, which refuses this protocol."""
+    Ray's object store). The GPU transports (cuda_ipc, nccl) serve refits from a standing
+    receiver that the vLLM worker starts in its engine's processes; it refuses this protocol."""
 
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations: ...

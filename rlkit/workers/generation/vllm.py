@@ -69,16 +69,17 @@ class VLLMGenerationWorker(GenerationWorker):
     def end_refit(self) -> dict:
         raise _object_store_unsupported()
 
-    def receive_ipc_refit(self, plan: RefitPlan, verify_checksums: bool, address: tuple) -> dict:
-        self._prefix_cache_stale = True
-        return self._rpc("rlkit_receive_ipc_refit", plan, verify_checksums, address)[0]
+    def start_refit_receiver(self, transport: str, address: tuple, timeout_s: float) -> None:
+        """Each vLLM worker process of this engine serves refits from the policy rank at
+        `address` from now on (rlkit/refit/channel.py)."""
+        self._rpc("rlkit_start_refit_receiver", transport, address, f"generation worker {self.rank}", timeout_s)
 
-    def init_refit_group(self, host: str, port: int, world_size: int) -> None:
-        self._rpc("rlkit_init_refit_group", host, port, world_size, 1 + self.rank)
-
-    def receive_nccl_refit(self, plan: RefitPlan, verify_checksums: bool) -> dict:
+    def weights_changing(self) -> None:
+        """A refit is under way (its bytes bypass this actor): the prefix cache is stale."""
         self._prefix_cache_stale = True
-        return self._rpc("rlkit_receive_nccl_refit", plan, verify_checksums)[0]
+
+    def init_refit_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        self._rpc("rlkit_init_refit_group", host, port, world_size, 1 + self.rank, timeout_s)
 
     def weight_checksums(self) -> dict[str, int]:
         return self._rpc("rlkit_param_checksums")[0]

@@ -1,5 +1,6 @@
 """Methods rlkit adds to each vLLM worker process (LLM(worker_extension_cls=...)), called
-through collective_rpc. `self` is vLLM's GPU worker. Buckets are unpacked with the same
+through collective_rpc; refits themselves arrive at a standing receiver thread these methods
+start, not through collective_rpc. `self` is vLLM's GPU worker. Buckets are unpacked with the same
 RefitPlan the policy packed them with. The model's own load_weights, which knows vLLM's fused
 layouts (qkv_proj, gate_up_proj) and its TP sharding, places each tensor the first time a plan
 is used; later refits replay its copies (rlkit/refit/replay.py)."""
@@ -31,33 +32,32 @@ class RefitExtension:
         return replay
 
     @_pickled_args
-    def rlkit_receive_ipc_refit(self, plan: RefitPlan, verify: bool, address: tuple) -> dict:
-        """The cuda_ipc transport: every bucket of the plan in one call, from the policy rank on
-        this GPU (connected at the first refit, and again after a failed one)."""
+    def rlkit_init_refit_group(self, host: str, port: int, world_size: int, rank: int, timeout_s: float):
+        from rlkit.refit.nccl_group import RefitGroup
+        self._rlkit_group = RefitGroup(host, port, rank, world_size, timeout_s)
+
+    @_pickled_args
+    def rlkit_start_refit_receiver(self, transport: str, address: tuple, name: str, timeout_s: float):
+        """Starts this process's standing receiver (rlkit/refit/channel.py) for `transport`:
+        from here on the policy rank at `address` starts each refit, no call into vLLM needed."""
+        from rlkit.refit.channel import StandingReceiver
         from rlkit.refit.cuda_ipc import IpcReceiver
 
-        replay = self._rlkit_loader(plan)
-        if getattr(self, "_rlkit_ipc", None) is None or self._rlkit_ipc.address != address:
-            self._rlkit_ipc = IpcReceiver(address)
-        try:
-            self._rlkit_ipc.receive(plan, lambda packed: replay.load(packed, verify))
-        except BaseException:
-            self._rlkit_ipc.close()  # the sender sees the channel close instead of waiting out its timeout
-            self._rlkit_ipc = None
-            raise
-        return {"refit/replayable_fraction": replay.replayable_fraction}
+        if transport == "cuda_ipc":
+            ipc = IpcReceiver()
 
-    @_pickled_args
-    def rlkit_init_refit_group(self, host: str, port: int, world_size: int, rank: int):
-        from rlkit.refit.nccl_group import RefitGroup
-        self._rlkit_group = RefitGroup(host, port, rank, world_size)
-
-    @_pickled_args
-    def rlkit_receive_nccl_refit(self, plan: RefitPlan, verify: bool) -> dict:
-        """The nccl transport: every bucket of the plan in one call."""
-        replay = self._rlkit_loader(plan)
-        self._rlkit_group.receive_all(plan, lambda packed: replay.load(packed, verify))
-        return {"refit/replayable_fraction": replay.replayable_fraction}
+            def serve(channel, plan, start):
+                replay = self._rlkit_loader(plan)
+                if start.setup is not None:  # the old slots are about to be unmapped
+                    replay.release_buffers()
+                ipc.receive(channel, plan, start.setup, lambda packed: replay.load(packed, start.verify))
+                return {"refit/replayable_fraction": replay.replayable_fraction}
+        else:
+            def serve(channel, plan, start):
+                replay = self._rlkit_loader(plan)
+                self._rlkit_group.receive_all(plan, lambda packed: replay.load(packed, start.verify), start.verify)
+                return {"refit/replayable_fraction": replay.replayable_fraction}
+        self._rlkit_receiver = StandingReceiver(address, name, serve, torch.cuda.current_device(), timeout_s)
 
     @_pickled_args
     def rlkit_param_checksums(self) -> dict[str, int]:

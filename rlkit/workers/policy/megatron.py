@@ -61,6 +61,13 @@ class MegatronModelWorker:
             self.bridge.load_hf_weights(self.model)
         self.offloaded = None  # CPU copies of what sleep() moved off the GPU
         self._row_export = None  # set by refit_manifest where refits can copy rows directly
+        # a direct export's packing copies per (bucket, buffer address, size), for one plan: the
+        # GPU transports pack into the same two buffers at every refit
+        self._pack_copies: dict[tuple[int, int, int], tuple[list, list]] = {}
+        self._refit_server = None  # the refit channel's listening end (rlkit/refit/channel.py)
+        self._ipc = None  # cuda_ipc's slots on this GPU
+        self._refit_group = None  # nccl's communicator with the generation workers
+        self._plan = self._sources = None  # of the refit in progress (or the last one)
         # of the last refit (export_stats); ranks that skip a refit's export report zeros
         self._export_seconds = {"export": 0.0, "pack": 0.0}
         # built at the first train() call: inference-only uses (verify-refit, benchmarks) never
@@ -301,8 +308,9 @@ class MegatronModelWorker:
 
     def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool) -> Iterator[PackedBucket]:
         """Every bucket, in plan order, each yielded as soon as it is packed: the CPU transport
-        streams them through Ray, the nccl transport broadcasts them. Through the bridge the
-        export is collective: every rank iterates it, only rank 0 yields buckets."""
+        streams them through Ray. Through the bridge the export is collective: every rank
+        iterates it, only rank 0 yields buckets (so the other ranks of an nccl refit run it to
+        join the collectives)."""
         if self.rank != 0 and self._row_export is not None:
             return
         self._begin_export(plan)
@@ -318,16 +326,28 @@ class MegatronModelWorker:
     def _begin_export(self, plan: RefitPlan):
         self.wake()
         start = time.perf_counter()
-        self._plan, self._next_bucket = plan, 0
+        self._next_bucket = 0
         self._exported = None if self._row_export is not None else self.bridge.export_hf_weights(self.model)
-        self._sources = self._row_export.sources() if self._row_export is not None else None
+        sources = self._row_export.sources() if self._row_export is not None else None
+        if sources is not self._sources or plan != self._plan:
+            self._pack_copies = {}  # kept copies hold for one plan and one set of parameter views
+        self._plan, self._sources = plan, sources
         # host seconds in the export and in packing (kernels may still run after them): where a
         # refit's time goes on the sending side
         self._export_seconds = {"export": time.perf_counter() - start, "pack": 0.0}
 
     def _pack_next(self, with_checksum: bool, out: torch.Tensor | None = None) -> PackedBucket:
+        """The next bucket, packed into `out` (a buffer the transport keeps) or a new buffer."""
         bucket = self._plan.buckets[self._next_bucket]
+        self._next_bucket += 1
         start = time.perf_counter()
+        if self._exported is None and out is not None:  # direct rows into a kept buffer: keep the copies too
+            key = (bucket.index, out.data_ptr(), out.numel())
+            if key not in self._pack_copies:
+                self._pack_copies[key] = self._plan.copies(bucket.index, self._sources, out[:bucket.nbytes])
+            packed = self._plan.pack_copies(bucket.index, out[:bucket.nbytes], self._pack_copies[key], with_checksum)
+            self._export_seconds["pack"] += time.perf_counter() - start
+            return packed
         if self._exported is None:
             sources = {s.name: self._sources[s.name] for s in bucket.slots}
         else:
@@ -338,48 +358,70 @@ class MegatronModelWorker:
                                    f"{sorted(set(tensors) - expected)[:3]}; rebuild the plan")
             sources = {name: [(tensor, 0)] for name, tensor in tensors.items()}
         exported = time.perf_counter()
-        self._next_bucket += 1
         packed = self._plan.pack(bucket.index, sources, with_checksum, out)
         self._export_seconds["export"] += exported - start
         self._export_seconds["pack"] += time.perf_counter() - exported
         return packed
+
+    def _end_export(self):
+        if self._exported is not None and next(self._exported, None) is not None:
+            raise RuntimeError("refit: the export has more tensors than the plan; rebuild the plan")
+        self._exported = None
 
     def export_stats(self) -> dict:
         """Host seconds the last refit export spent exporting and packing, and whether it copied
         parameter rows directly (else it went through the bridge)."""
         return {**self._export_seconds, "direct": self._row_export is not None}
 
-    def open_ipc_channel(self) -> tuple:
-        """The cuda_ipc transport: listen for the generation worker on this GPU; its address."""
+    def open_refit_channel(self, receivers: int, timeout_s: float) -> tuple:
+        """Listen for the standing receivers of `receivers` generation workers (cuda_ipc: the one
+        on this GPU; nccl, on rank 0: all of them); returns the address they connect to."""
+        from rlkit.refit.channel import ChannelServer
+        if self._refit_server is not None:
+            self._refit_server.close()
+        self._refit_server = ChannelServer(receivers, timeout_s)
+        return self._refit_server.address
+
+    def send_ipc_refit(self, plan: RefitPlan, with_checksum: bool) -> dict:
+        """The cuda_ipc transport: every bucket through two IPC-shared slots on this GPU to the
+        generation worker beside it."""
         from rlkit.refit.cuda_ipc import IpcSender
-        if getattr(self, "_ipc", None) is not None:
-            self._ipc.close()
-        self._ipc = IpcSender()
-        return self._ipc.address
 
-    def send_ipc_refit(self, plan: RefitPlan, with_checksum: bool):
-        """The cuda_ipc transport's export, all buckets in one call, through two IPC-shared slots
-        on this GPU. Every rank sends to its own colocated generation worker."""
-        self._begin_export(plan)
-        self._ipc.send(plan, lambda slot: self._pack_next(with_checksum, slot))
-        self._end_export()
+        ipc = self._ipc = self._ipc or IpcSender()
+        return self._send_refit(plan, with_checksum, lambda fresh: ipc.prepare(plan, fresh),
+                                lambda channels, pack: ipc.send(channels[0], plan, pack))
 
-    def init_refit_group(self, host: str, port: int, rank: int, world_size: int):
+    def init_refit_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
         from rlkit.refit.nccl_group import RefitGroup
-        self._refit_group = RefitGroup(host, port, rank, world_size)
+        self._refit_group = RefitGroup(host, port, rank, world_size, timeout_s)
 
-    def broadcast_refit(self, plan: RefitPlan, with_checksum: bool):
-        """The nccl transport's export, all buckets in one call: rank 0 packs bucket k+1 while
-        bucket k is on the wire. Other ranks take part only in a bridge export's collectives."""
-        for packed in self.stream_refit_buckets(plan, with_checksum):
-            self._refit_group.send(packed)
+    def broadcast_refit(self, plan: RefitPlan, with_checksum: bool) -> dict:
+        """The nccl transport: rank 0 packs bucket k+1 while bucket k is on the wire to every
+        generation worker. Other ranks take part only in a bridge export's collectives."""
+        if self.rank != 0:
+            for _ in self.stream_refit_buckets(plan, with_checksum):
+                pass
+            return {}
+        return self._send_refit(plan, with_checksum, lambda fresh: None,
+                                lambda channels, pack: self._refit_group.send_all(plan, pack))
 
-    def _end_export(self):
-        if self._exported is not None and next(self._exported, None) is not None:
-            raise RuntimeError("refit: the export has more tensors than the plan; rebuild the plan")
-        if self.rank == 0 and getattr(self, "_refit_group", None) is not None:
-            self._refit_group.synchronize()
-        self._exported = None
+    def _send_refit(self, plan: RefitPlan, with_checksum: bool, setup: Callable[[bool], object],
+                    transfer: Callable[[list, Callable], None]) -> dict:
+        """One refit over this rank's channel: start it on every receiver (with setup(whether
+        they just connected), e.g. new IPC handles), run transfer(channels, pack), collect their
+        reports. On failure the channel closes, so receivers stop at once and connect again.
+        Returns the export's stats and the receivers' reports."""
+        server = self._refit_server
+        self._begin_export(plan)
+        try:
+            channels = server.begin(plan, with_checksum, setup(server.connect()))
+            transfer(channels, lambda buffer: self._pack_next(with_checksum, buffer))
+            self._end_export()
+            received = server.finish()
+        except BaseException:
+            server.abort()
+            raise
+        return {**self.export_stats(), "received": received}
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _inner_model(self):

@@ -1,0 +1,212 @@
+"""The refit control channel between a policy rank and the generation workers it sends to, and
+the standing receiver that serves refits inside each generation worker's process.
+
+Why a standing receiver: vLLM runs its model in a process of its own, so a call into it
+(Ray actor -> LLM.collective_rpc -> engine core -> worker) costs ~2.5 ms before any byte moves,
+and a refit of a 1.5B model has a budget of a few milliseconds. So each generation worker
+process runs one thread, started once, that waits on this channel for the policy rank to start
+a refit. A refit is then one controller call, to the policy, whose answer carries every
+receiver's report.
+
+Messages are pickled over connected 127.0.0.1 sockets; a receiver proves itself with the
+channel's token. Every wait inside a refit is bounded; between refits a receiver waits without
+a limit (a training step may take an hour).
+"""
+
+import hmac
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Callable
+
+import torch
+
+from rlkit.refit.plan import RefitPlan
+
+
+@dataclass(frozen=True)
+class RefitStart:
+    plan: RefitPlan | None  # None: the plan of this channel's previous refit
+    verify: bool
+    setup: object = None  # transport-specific, e.g. cuda_ipc's slot handles when they change
+
+
+@dataclass(frozen=True)
+class Report:
+    """A receiver's last word on a refit: its stats, or what went wrong."""
+    stats: dict
+    error: str | None = None
+
+
+class Channel:
+    """Pickled messages over a connected local socket."""
+
+    def __init__(self, sock: socket.socket, peer: str, timeout_s: float):
+        sock.settimeout(None)
+        # small messages each way: without this, Nagle's algorithm holds a message back until the
+        # previous one is acknowledged, and delayed acks make that ~40 ms (twice per cuda_ipc refit)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.conn, self.peer, self.timeout_s = Connection(sock.detach()), peer, timeout_s
+
+    def send(self, message):
+        self.conn.send(message)
+
+    def receive(self, waiting_for: str, bounded: bool = True):
+        """The next message, within the channel's timeout (bounded) or whenever it comes. A
+        Report with an error from the peer is raised here, naming the peer."""
+        try:
+            if self.conn.poll(self.timeout_s if bounded else None):
+                message = self.conn.recv()
+            else:
+                raise RuntimeError(f"refit: {self.peer} sent nothing for {self.timeout_s:.0f}s while this side "
+                                   f"waited for {waiting_for}; it is dead or stuck")
+        except (EOFError, OSError):
+            raise RuntimeError(f"refit: {self.peer} went away while this side waited for {waiting_for}") from None
+        if isinstance(message, Report) and message.error is not None:
+            raise RuntimeError(f"refit: {self.peer} failed: {message.error}")
+        return message
+
+    def expect(self, value, waiting_for: str):
+        """Receive a message that must equal `value` (e.g. a bucket index acknowledged in order)."""
+        message = self.receive(waiting_for)
+        if message != value:
+            raise RuntimeError(f"refit: {self.peer} sent {message!r} while this side waited for {waiting_for}")
+
+    def close(self):
+        self.conn.close()
+
+
+class ChannelServer:
+    """Policy side: listens on 127.0.0.1 for `receivers` standing receivers, accepts them at the
+    first refit (and again after a failed one), and starts each refit on all of them."""
+
+    def __init__(self, receivers: int, timeout_s: float = 300.0):
+        self.receivers, self.timeout_s, self.token = receivers, timeout_s, secrets.token_bytes(16)
+        # connections are accepted only from this host, and only with the token
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(timeout_s)
+        self._channels: list[Channel] = []
+        self._last_plan: RefitPlan | None = None  # what the connected receivers hold
+
+    @property
+    def address(self) -> tuple[str, int, bytes]:
+        return ("127.0.0.1", self._server.getsockname()[1], self.token)
+
+    def _accept(self) -> Channel:
+        try:
+            sock, _ = self._server.accept()
+        except socket.timeout:
+            raise RuntimeError(f"refit: no generation worker connected to this policy rank's refit channel within "
+                               f"{self.timeout_s:.0f}s") from None
+        channel = Channel(sock, "a generation worker", self.timeout_s)
+        try:
+            try:
+                token = channel.conn.recv_bytes(64) if channel.conn.poll(self.timeout_s) else b""
+            except (EOFError, OSError):
+                token = b""
+            if not hmac.compare_digest(token, self.token):
+                raise RuntimeError("refit: a process without this channel's token connected to the refit channel")
+            channel.peer = channel.receive("its name")
+        except BaseException:
+            channel.close()
+            raise
+        return channel
+
+    def connect(self) -> bool:
+        """Accepts the receivers not connected yet (all of them at the first refit or after a
+        failed one); whether any was."""
+        fresh = len(self._channels) < self.receivers
+        while len(self._channels) < self.receivers:
+            self._channels.append(self._accept())
+        if fresh:
+            self._last_plan = None
+        return fresh
+
+    def begin(self, plan: RefitPlan, verify: bool, setup: object = None) -> list[Channel]:
+        """Tells every receiver (connected by connect()) that a refit starts; the plan travels
+        only when it changed. Returns the channels in the order the receivers connected."""
+        start = RefitStart(None if plan == self._last_plan else plan, verify, setup)
+        for channel in self._channels:
+            channel.send(start)
+        self._last_plan = plan
+        return self._channels
+
+    def finish(self) -> list[dict]:
+        """Every receiver's report of the refit (an error report is raised, naming its sender)."""
+        return [channel.receive("its report of the refit").stats for channel in self._channels]
+
+    def abort(self):
+        """After a failure: close the channels, so receivers stop at once (not at their timeout)
+        and connect again; the next refit accepts them afresh."""
+        for channel in self._channels:
+            channel.close()
+        self._channels = []
+
+    def close(self):
+        self.abort()
+        self._server.close()
+
+
+def connect(address: tuple[str, int, bytes], name: str, timeout_s: float) -> Channel:
+    host, port, token = address
+    channel = Channel(socket.create_connection((host, port), timeout=timeout_s), f"the policy rank at {host}:{port}",
+                      timeout_s)
+    channel.conn.send_bytes(token)
+    channel.send(name)
+    return channel
+
+
+class StandingReceiver:
+    """A daemon thread in a generation worker's process: connects to the policy rank's channel
+    and serves each refit it starts with serve(channel, plan, start) -> stats. A failed refit is
+    reported to the sender, then the thread connects again for the next one; it ends when the
+    sender is gone."""
+
+    def __init__(self, address: tuple[str, int, bytes], name: str,
+                 serve: Callable[[Channel, RefitPlan, RefitStart], dict], device: int | None, timeout_s: float):
+        self.address, self.name, self.serve, self.device, self.timeout_s = address, name, serve, device, timeout_s
+        self.last_error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"rlkit refit receiver ({name})", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        if self.device is not None:
+            torch.cuda.set_device(self.device)  # the current device is per thread
+            # a stream of its own, as vLLM gives its threads, not the legacy default stream
+            torch.cuda.set_stream(torch.cuda.Stream())
+        while True:
+            try:
+                channel = connect(self.address, self.name, self.timeout_s)
+            except OSError:
+                return  # the sender closed its channel: a newer receiver or a shutdown took over
+            try:
+                self._serve_refits(channel)
+            except Exception as error:
+                self.last_error = error
+            channel.close()
+
+    def _serve_refits(self, channel: Channel):
+        plan = None
+        while True:
+            start: RefitStart = channel.receive("the next refit", bounded=False)
+            plan = start.plan or plan
+            if plan is None:
+                raise RuntimeError("refit: the sender referred to a previous plan this receiver never got")
+            try:
+                stats = self.serve(channel, plan, start)
+            except Exception as error:
+                channel.send(Report({}, f"{type(error).__name__}: {error}"))
+                raise
+            channel.send(Report(stats))
+
+
+def wait_event(event: torch.cuda.Event, timeout_s: float, what: str):
+    """Host wait for a CUDA event, bounded: a peer that never joins a transfer is an error."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"refit: waited {timeout_s:.0f}s for {what}; the peer is dead or stuck")
+        time.sleep(20e-6)

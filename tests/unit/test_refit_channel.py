@@ -1,0 +1,135 @@
+"""The refit channel and its standing receivers: refits started by the sender are served and
+reported; a failure is one error naming the receiver, after which it connects again; a
+stranger, a silent peer and a vanished peer are each one error that says what happened, never
+a hang. (The GPU transports that run over it are tested in tests/gpu.)"""
+
+import threading
+
+import pytest
+
+from rlkit.refit.channel import ChannelServer, StandingReceiver, connect
+from rlkit.refit.plan import RefitPlan
+
+PLAN = RefitPlan.build([("w", (2, 2), "float32")], 1 << 20)
+
+
+def _stop(server: ChannelServer, receivers: list[StandingReceiver]):
+    server.close()  # receivers see the channel close, find nobody listening, and end
+    for receiver in receivers:
+        receiver.thread.join(timeout=10)
+        assert not receiver.thread.is_alive()
+
+
+def test_standing_receivers_serve_each_refit_and_the_plan_travels_once():
+    served = []
+
+    def serve(channel, plan, start):  # stands in for a transport's data path: one message each way
+        served.append((plan, start.plan is not None))
+        payload = channel.receive("the payload")
+        channel.send(payload * 2)
+        return {"payload": payload}
+
+    server = ChannelServer(receivers=2, timeout_s=10)
+    receivers = [StandingReceiver(server.address, f"generation worker {i}", serve, None, 10) for i in range(2)]
+    for refit in (1, 2):
+        server.connect()
+        channels = server.begin(PLAN, verify=False)
+        for channel in channels:
+            channel.send(refit)
+        assert [channel.receive("the answer") for channel in channels] == [2 * refit] * 2
+        assert server.finish() == [{"payload": refit}] * 2
+    assert sorted(c.peer for c in channels) == ["generation worker 0", "generation worker 1"]
+    assert [plan for plan, _ in served] == [PLAN] * 4
+    assert [sent for _, sent in served] == [True, True, False, False]  # the plan went with the first refit only
+    _stop(server, receivers)
+
+
+def test_a_failed_refit_names_the_receiver_and_it_connects_again():
+    def serve(channel, plan, start):
+        if start.verify:
+            raise ValueError("bucket 3 failed its checksum")
+        return {"loaded": True}
+
+    server = ChannelServer(receivers=1, timeout_s=10)
+    receiver = StandingReceiver(server.address, "generation worker 0", serve, None, 10)
+    assert server.connect()
+    server.begin(PLAN, verify=True)
+    with pytest.raises(RuntimeError, match="generation worker 0 failed: ValueError: bucket 3 failed its checksum"):
+        server.finish()
+    server.abort()
+    assert server.connect()  # the receiver came back on a fresh connection
+    server.begin(PLAN, verify=False)
+    assert server.finish() == [{"loaded": True}]
+    assert not server.connect()
+    _stop(server, [receiver])
+
+
+def test_a_connection_without_the_token_is_refused():
+    server = ChannelServer(receivers=1, timeout_s=5)
+    host, port, _ = server.address
+    intruder = threading.Thread(target=connect, args=((host, port, b"not the token"), "intruder", 5))
+    intruder.start()
+    with pytest.raises(RuntimeError, match="without this channel's token"):
+        server.connect()
+    intruder.join()
+    server.close()
+
+
+def test_no_receiver_is_a_timeout_not_a_hang():
+    server = ChannelServer(receivers=1, timeout_s=0.2)
+    with pytest.raises(RuntimeError, match="no generation worker connected"):
+        server.connect()
+    server.close()
+
+
+def test_a_silent_receiver_is_named_and_its_late_report_still_lands():
+    release = threading.Event()
+
+    def stuck(channel, plan, start):
+        release.wait()
+        return {"late": True}
+
+    server = ChannelServer(receivers=1, timeout_s=0.3)
+    receiver = StandingReceiver(server.address, "generation worker 5", stuck, None, 0.3)
+    server.connect()
+    server.begin(PLAN, verify=False)
+    with pytest.raises(RuntimeError, match="generation worker 5 sent nothing for 0s while this side waited for its "
+                                           "report of the refit; it is dead or stuck"):
+        server.finish()
+    release.set()
+    assert server.finish() == [{"late": True}]
+    _stop(server, [receiver])
+
+
+def test_a_vanished_receiver_is_named():
+    server = ChannelServer(receivers=1, timeout_s=5)
+    peer = connect(server.address, "generation worker 2", 5)
+    server.connect()
+    peer.close()
+    with pytest.raises(RuntimeError, match="generation worker 2 went away while this side waited for its report"):
+        server.finish()
+    server.close()
+
+
+def test_both_ends_send_small_messages_without_delay():
+    """cuda_ipc paces each bucket with small messages both ways; with Nagle's algorithm on, a
+    message waits for the previous one's delayed acknowledgement (~40 ms, twice a refit)."""
+    import socket
+
+    server = ChannelServer(receivers=1, timeout_s=5)
+    peer = connect(server.address, "generation worker 0", 5)
+    server.connect()
+    for channel in (server._channels[0], peer):
+        sock = socket.socket(fileno=channel.conn.fileno())
+        try:
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        finally:
+            sock.detach()
+    peer.close()
+    server.close()
+
+
+def test_the_channel_listens_on_loopback_only():
+    server = ChannelServer(receivers=1)
+    assert server._server.getsockname()[0] == server.address[0] == "127.0.0.1"
+    server.close()
