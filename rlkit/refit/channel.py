@@ -34,6 +34,9 @@ class RefitStart:
     setup: object = None  # transport-specific, e.g. cuda_ipc's slot handles when they change
 
 
+CLOSING = "closing"  # the sender's last message on a channel it closes for good: receivers end
+
+
 @dataclass(frozen=True)
 class Report:
     """A receiver's last word on a refit: its stats, or what went wrong."""
@@ -146,6 +149,13 @@ class ChannelServer:
         self._channels = []
 
     def close(self):
+        """For good: receivers are told to end rather than connect again (to a port that another
+        channel may reuse)."""
+        for channel in self._channels:
+            try:
+                channel.send(CLOSING)
+            except OSError:
+                pass
         self.abort()
         self._server.close()
 
@@ -181,17 +191,24 @@ class StandingReceiver:
             try:
                 channel = connect(self.address, self.name, self.timeout_s)
             except OSError:
-                return  # the sender closed its channel: a newer receiver or a shutdown took over
+                return  # nobody listens any more: the policy worker is gone
             try:
                 self._serve_refits(channel)
+                return  # the sender closed the channel for good
             except Exception as error:
                 self.last_error = error
-            channel.close()
+            finally:
+                channel.close()
 
     def _serve_refits(self, channel: Channel):
+        """Serves refits until the sender says CLOSING; raises on anything else that ends them."""
         plan = None
         while True:
-            start: RefitStart = channel.receive("the next refit", bounded=False)
+            start = channel.receive("the next refit", bounded=False)
+            if start == CLOSING:
+                return
+            if not isinstance(start, RefitStart):
+                raise RuntimeError(f"refit: expected the start of a refit, got {start!r}")
             plan = start.plan or plan
             if plan is None:
                 raise RuntimeError("refit: the sender referred to a previous plan this receiver never got")

@@ -14,7 +14,7 @@ PLAN = RefitPlan.build([("w", (2, 2), "float32")], 1 << 20)
 
 
 def _stop(server: ChannelServer, receivers: list[StandingReceiver]):
-    server.close()  # receivers see the channel close, find nobody listening, and end
+    server.close()  # receivers are told the channel is closed for good, and end
     for receiver in receivers:
         receiver.thread.join(timeout=10)
         assert not receiver.thread.is_alive()
@@ -42,6 +42,9 @@ def test_standing_receivers_serve_each_refit_and_the_plan_travels_once():
     assert [plan for plan, _ in served] == [PLAN] * 4
     assert [sent for _, sent in served] == [True, True, False, False]  # the plan went with the first refit only
     _stop(server, receivers)
+    # told the channel closed for good, not left to find nobody listening (a new channel may
+    # take the same port)
+    assert [r.last_error for r in receivers] == [None, None]
 
 
 def test_a_failed_refit_names_the_receiver_and_it_connects_again():
