@@ -35,6 +35,7 @@ class RefitStart:
 
 
 CLOSING = "closing"  # the sender's last message on a channel it closes for good: receivers end
+READY = "ready"  # a receiver holds what a refit needs (e.g. nccl: its buffers) before any transfer starts
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,10 @@ class Channel:
         self.conn, self.peer, self.timeout_s = Connection(sock.detach()), peer, timeout_s
 
     def send(self, message):
-        self.conn.send(message)
+        try:
+            self.conn.send(message)
+        except OSError:
+            raise RuntimeError(f"refit: {self.peer} went away (its end of the channel is closed)") from None
 
     def receive(self, waiting_for: str, bounded: bool = True):
         """The next message, within the channel's timeout (bounded) or whenever it comes. A
@@ -98,20 +102,24 @@ class ChannelServer:
     def address(self) -> tuple[str, int, bytes]:
         return ("127.0.0.1", self._server.getsockname()[1], self.token)
 
-    def _accept(self) -> Channel:
+    def _accept(self, refused: int) -> Channel | None:
+        """The next receiver; None for a connection without the token (closed at once: a stale
+        receiver of an earlier channel on the same port, say, must not fail this one)."""
         try:
             sock, _ = self._server.accept()
         except socket.timeout:
+            stranger = f" (refused {refused} connection(s) without this channel's token)" if refused else ""
             raise RuntimeError(f"refit: no generation worker connected to this policy rank's refit channel within "
-                               f"{self.timeout_s:.0f}s") from None
+                               f"{self.timeout_s:.0f}s{stranger}") from None
         channel = Channel(sock, "a generation worker", self.timeout_s)
         try:
-            try:
-                token = channel.conn.recv_bytes(64) if channel.conn.poll(self.timeout_s) else b""
-            except (EOFError, OSError):
-                token = b""
-            if not hmac.compare_digest(token, self.token):
-                raise RuntimeError("refit: a process without this channel's token connected to the refit channel")
+            token = channel.conn.recv_bytes(64) if channel.conn.poll(self.timeout_s) else b""
+        except (EOFError, OSError):
+            token = b""
+        if not hmac.compare_digest(token, self.token):
+            channel.close()
+            return None
+        try:
             channel.peer = channel.receive("its name")
         except BaseException:
             channel.close()
@@ -121,9 +129,13 @@ class ChannelServer:
     def connect(self) -> bool:
         """Accepts the receivers not connected yet (all of them at the first refit or after a
         failed one); whether any was."""
-        fresh = len(self._channels) < self.receivers
+        fresh, refused = len(self._channels) < self.receivers, 0
         while len(self._channels) < self.receivers:
-            self._channels.append(self._accept())
+            channel = self._accept(refused)
+            if channel is None:
+                refused += 1
+            else:
+                self._channels.append(channel)
         if fresh:
             self._last_plan = None
         return fresh
@@ -178,7 +190,7 @@ class StandingReceiver:
     def __init__(self, address: tuple[str, int, bytes], name: str,
                  serve: Callable[[Channel, RefitPlan, RefitStart], dict], device: int | None, timeout_s: float):
         self.address, self.name, self.serve, self.device, self.timeout_s = address, name, serve, device, timeout_s
-        self.last_error: BaseException | None = None
+        self.last_error: str | None = None  # text only: a kept exception would keep its frames' buffers alive
         self.thread = threading.Thread(target=self._run, name=f"rlkit refit receiver ({name})", daemon=True)
         self.thread.start()
 
@@ -196,7 +208,7 @@ class StandingReceiver:
                 self._serve_refits(channel)
                 return  # the sender closed the channel for good
             except Exception as error:
-                self.last_error = error
+                self.last_error = f"{type(error).__name__}: {error}"
             finally:
                 channel.close()
 
@@ -207,12 +219,12 @@ class StandingReceiver:
             start = channel.receive("the next refit", bounded=False)
             if start == CLOSING:
                 return
-            if not isinstance(start, RefitStart):
-                raise RuntimeError(f"refit: expected the start of a refit, got {start!r}")
-            plan = start.plan or plan
-            if plan is None:
-                raise RuntimeError("refit: the sender referred to a previous plan this receiver never got")
             try:
+                if not isinstance(start, RefitStart):
+                    raise RuntimeError(f"refit: expected the start of a refit, got {start!r}")
+                plan = start.plan or plan
+                if plan is None:
+                    raise RuntimeError("refit: the sender referred to a previous plan this receiver never got")
                 stats = self.serve(channel, plan, start)
             except Exception as error:
                 channel.send(Report({}, f"{type(error).__name__}: {error}"))

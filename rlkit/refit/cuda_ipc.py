@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from rlkit.refit.channel import Channel
+from rlkit.refit.channel import Channel, wait_event
 from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan
 
 SLOTS = 2
@@ -27,7 +27,8 @@ class IpcSender:
         self.slots: list[torch.Tensor] = []
         self.packed_events: list[torch.cuda.Event] = []
         self.loaded_events: list[torch.cuda.Event] = []  # the receiver's, opened from its handles
-        self._retired: list[torch.Tensor] = []  # old slots, kept until the receiver has let go of them
+        # old slots and their events, kept until the receiver has let go of them
+        self._retired: tuple[list[torch.Tensor], list[torch.cuda.Event]] = ([], [])
         self._shared = False  # prepare() shared the slots anew: the receiver answers with its events
 
     def prepare(self, plan: RefitPlan, fresh_receiver: bool) -> tuple | None:
@@ -40,7 +41,7 @@ class IpcSender:
         if not self._shared:
             return None
         if not self.slots or self.slots[0].numel() < largest:
-            self._retired = self.slots
+            self._retired = (self.slots, self.packed_events)
             self.slots = [torch.empty(largest, dtype=torch.uint8, device="cuda") for _ in range(SLOTS)]
             self.packed_events = [torch.cuda.Event(interprocess=True) for _ in range(SLOTS)]
         return [reduce_tensor(s)[1] for s in self.slots], [e.ipc_handle() for e in self.packed_events]
@@ -52,7 +53,7 @@ class IpcSender:
         if self._shared:
             handles = channel.receive("its events for the new slots")
             self.loaded_events = [torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), h) for h in handles]
-            self._retired = []  # the receiver mapped the new slots and dropped the old ones
+            self._retired = ([], [])  # the receiver mapped the new slots and dropped the old ones
         count = len(plan.buckets)
         for bucket in plan.buckets:
             slot = bucket.index % SLOTS
@@ -65,7 +66,7 @@ class IpcSender:
         for index in range(max(0, count - SLOTS), count):
             channel.expect(index, f"bucket {index} to be loaded")
             stream.wait_event(self.loaded_events[index % SLOTS])
-        stream.synchronize()
+        wait_event(stream.record_event(), channel.timeout_s, "this GPU to finish the refit's copies")
 
 
 class IpcReceiver:
@@ -84,7 +85,8 @@ class IpcReceiver:
             slot_handles, event_handles = setup
             self.slots = [rebuild_cuda_tensor(*_on_this_device(h, device)) for h in slot_handles]
             self.packed_events = [torch.cuda.Event.from_ipc_handle(device, h) for h in event_handles]
-            self.loaded_events = [torch.cuda.Event(interprocess=True) for _ in range(SLOTS)]
+            if not self.loaded_events:  # ours live as long as this receiver: the sender may hold them open
+                self.loaded_events = [torch.cuda.Event(interprocess=True) for _ in range(SLOTS)]
             channel.send([e.ipc_handle() for e in self.loaded_events])
         if not self.slots:
             raise RuntimeError("refit: the policy started a cuda_ipc refit without sharing its slots")
@@ -97,7 +99,7 @@ class IpcReceiver:
             load(PackedBucket(index, self.slots[slot][:bucket.nbytes], checksum))
             self.loaded_events[slot].record(stream)
             channel.send(index)
-        stream.synchronize()
+        wait_event(stream.record_event(), channel.timeout_s, "this GPU to finish loading the refit")
 
 
 def _on_this_device(handle: tuple, device: int) -> tuple:

@@ -31,7 +31,9 @@ class RefitGroup:
         self._buffers: list[torch.Tensor] = []
         self._broken: str | None = None
 
-    def _buffers_for(self, plan: RefitPlan) -> list[torch.Tensor]:
+    def prepare(self, plan: RefitPlan) -> list[torch.Tensor]:
+        """The two buffers for this plan's buckets (regrown if needed), before any broadcast of a
+        refit starts: a side that cannot take part says so while nobody waits in a collective."""
         if self._broken is not None:
             raise RuntimeError(f"refit: the nccl refit communicator failed in an earlier refit ({self._broken}); "
                                "its peers may be anywhere in a broadcast, so restart the run")
@@ -43,7 +45,7 @@ class RefitGroup:
     def send_all(self, plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket]):
         """pack(buffer) packs the next bucket into buffer, on the current stream; each bucket
         (and, when it carries one, its checksum) is broadcast on the side stream."""
-        buffers, current = self._buffers_for(plan), torch.cuda.current_stream()
+        buffers, current = self.prepare(plan), torch.cuda.current_stream()
         sent: list[torch.cuda.Event | None] = [None, None]
         try:
             for bucket in plan.buckets:
@@ -51,12 +53,15 @@ class RefitGroup:
                 if sent[slot] is not None:
                     wait_event(sent[slot], self.timeout_s, f"the generation workers to receive bucket {bucket.index - 2}")
                 packed = pack(buffers[slot])
+                # on the current stream: a host-to-device copy on the side stream would wait for
+                # the broadcast queued there
+                header = None if packed.checksum is None else torch.tensor([packed.checksum], dtype=torch.int64,
+                                                                            device=self.device)
                 packed_ready = current.record_event()
                 with torch.cuda.stream(self.stream):
                     self.stream.wait_event(packed_ready)
                     self.comm.broadcast(packed.buffer, src=0, stream=self.stream)
-                    if packed.checksum is not None:
-                        header = torch.tensor([packed.checksum], dtype=torch.int64, device=self.device)
+                    if header is not None:
                         self.comm.broadcast(header, src=0, stream=self.stream)
                         header.record_stream(self.stream)
                 sent[slot] = self.stream.record_event()
@@ -73,7 +78,7 @@ class RefitGroup:
         when verifying (the sender's RefitStart says so to both). If a load fails, the remaining
         buckets are still received, so the sender is not left in a broadcast nobody joins, and
         the failure is raised after."""
-        buffers, current = self._buffers_for(plan), torch.cuda.current_stream()
+        buffers, current = self.prepare(plan), torch.cuda.current_stream()
         headers = torch.empty(len(plan.buckets), dtype=torch.int64, device=self.device)
         loaded: list[torch.cuda.Event | None] = [None, None]
         failure = None

@@ -64,17 +64,33 @@ def test_a_failed_refit_names_the_receiver_and_it_connects_again():
     server.begin(PLAN, verify=False)
     assert server.finish() == [{"loaded": True}]
     assert not server.connect()
+    server._channels[0].send("not a refit")  # a protocol error is reported like any other
+    with pytest.raises(RuntimeError, match="generation worker 0 failed: RuntimeError: refit: expected the start of a "
+                                           "refit, got 'not a refit'"):
+        server.finish()
     _stop(server, [receiver])
 
 
-def test_a_connection_without_the_token_is_refused():
+def test_a_connection_without_the_token_is_refused_and_the_receiver_still_accepted():
     server = ChannelServer(receivers=1, timeout_s=5)
     host, port, _ = server.address
-    intruder = threading.Thread(target=connect, args=((host, port, b"not the token"), "intruder", 5))
-    intruder.start()
-    with pytest.raises(RuntimeError, match="without this channel's token"):
+    stranger = connect((host, port, b"not the token"), "a stale receiver", 5)
+    receiver = StandingReceiver(server.address, "generation worker 0", lambda channel, plan, start: {"ok": 1}, None, 5)
+    assert server.connect()
+    assert [c.peer for c in server._channels] == ["generation worker 0"]
+    with pytest.raises(RuntimeError, match="went away"):
+        stranger.receive("anything")  # its connection was closed
+    server.begin(PLAN, verify=False)
+    assert server.finish() == [{"ok": 1}]
+    _stop(server, [receiver])
+
+
+def test_only_strangers_is_a_timeout_that_says_so():
+    server = ChannelServer(receivers=1, timeout_s=0.3)
+    stranger = connect(server.address[:2] + (b"not the token",), "a stale receiver", 5)
+    with pytest.raises(RuntimeError, match=r"no generation worker connected .* \(refused 1 connection\(s\) without"):
         server.connect()
-    intruder.join()
+    stranger.close()
     server.close()
 
 

@@ -195,7 +195,7 @@ def test_checksum_does_not_depend_on_its_chunking(monkeypatch):
 
     gen = torch.Generator().manual_seed(0)
     buffers = [torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8) for n in (1, 4001, 12_345)]
-    buffers.append(torch.full((10_000,), 255, dtype=torch.uint8))  # the int64 sums wrap
+    buffers.append(torch.full((10_000,), 255, dtype=torch.uint8))  # all words -1: negative sums
     whole_pass = [plan_module.bucket_checksum(b) for b in buffers]
     monkeypatch.setattr(plan_module, "_CHECKSUM_WORDS", 1000)
     assert [plan_module.bucket_checksum(b) for b in buffers] == whole_pass

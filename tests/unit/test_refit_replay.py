@@ -42,13 +42,38 @@ class FusedModel(torch.nn.Module):
                 self.scaled.data.copy_(w * 2)
 
 
-def send(plan: RefitPlan, replay: LoadReplay, seed: int) -> dict:
+def send(plan: RefitPlan, replay: LoadReplay, seed: int, buffers: list[torch.Tensor] | None = None) -> dict:
+    """One refit of random weights; packed into new buffers, or alternately into `buffers` (two
+    kept across refits, as the GPU transports do)."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {name: torch.randn(shape, generator=gen) for name, shape, _ in MANIFEST}
     for bucket in plan.buckets:
         sources = {s.name: [(tensors[s.name], 0)] for s in bucket.slots}
-        replay.load(plan.pack(bucket.index, sources, with_checksum=True), verify=True)
+        out = buffers[bucket.index % 2] if buffers else None
+        replay.load(plan.pack(bucket.index, sources, with_checksum=True, out=out), verify=True)
     return tensors
+
+
+def test_replays_from_kept_buffers_read_what_they_hold_now():
+    """The replay keeps its views of the buffers it was given; every refit must still copy what
+    the buffers hold at that refit, and after release_buffers it must take new buffers' views."""
+    plan = RefitPlan.build(MANIFEST, bucket_bytes=64)
+    largest = max(b.nbytes for b in plan.buckets)
+    buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
+    replayed, reference = FusedModel(), FusedModel()
+    replay = LoadReplay(plan, replayed)
+    send(plan, replay, 0, buffers)  # learns through the loader
+    for seed in (1, 2, 3, 4):
+        if seed == 3:  # a transport that regrows its buffers drops the old views first
+            replay.release_buffers()
+            assert all(not r.bound for r in replay._replays.values())
+            buffers = [torch.empty(largest + 64, dtype=torch.uint8) for _ in range(2)]
+        tensors = send(plan, replay, seed, buffers)
+        reference.load_weights(list(tensors.items()))
+        for name, param in replayed.named_parameters():
+            assert torch.equal(param, dict(reference.named_parameters())[name]), (seed, name)
+    bound = [ptr for r in replay._replays.values() for ptr in r.bound]
+    assert set(bound) <= {b.data_ptr() for b in buffers}  # views of the current buffers only
 
 
 def test_replayed_refits_match_the_loader_bit_for_bit():

@@ -40,7 +40,7 @@ class RefitExtension:
     def rlkit_start_refit_receiver(self, transport: str, address: tuple, name: str, timeout_s: float):
         """Starts this process's standing receiver (rlkit/refit/channel.py) for `transport`:
         from here on the policy rank at `address` starts each refit, no call into vLLM needed."""
-        from rlkit.refit.channel import StandingReceiver
+        from rlkit.refit.channel import READY, StandingReceiver
         from rlkit.refit.cuda_ipc import IpcReceiver
 
         if transport == "cuda_ipc":
@@ -55,6 +55,8 @@ class RefitExtension:
         else:
             def serve(channel, plan, start):
                 replay = self._rlkit_loader(plan)
+                self._rlkit_group.prepare(plan)
+                channel.send(READY)  # the sender broadcasts only once every receiver got this far
                 self._rlkit_group.receive_all(plan, lambda packed: replay.load(packed, start.verify), start.verify)
                 return {"refit/replayable_fraction": replay.replayable_fraction}
         self._rlkit_receiver = StandingReceiver(address, name, serve, torch.cuda.current_device(), timeout_s)

@@ -402,8 +402,19 @@ class MegatronModelWorker:
             for _ in self.stream_refit_buckets(plan, with_checksum):
                 pass
             return {}
-        return self._send_refit(plan, with_checksum, lambda fresh: None,
-                                lambda channels, pack: self._refit_group.send_all(plan, pack))
+        from rlkit.refit.channel import READY
+
+        group = self._refit_group
+
+        def setup(fresh_receivers: bool) -> None:
+            group.prepare(plan)  # before any receiver is told to start
+
+        def transfer(channels: list, pack: Callable):
+            for channel in channels:  # a receiver that cannot take part says so before any broadcast
+                channel.expect(READY, "it to be ready for the broadcasts")
+            group.send_all(plan, pack)
+
+        return self._send_refit(plan, with_checksum, setup, transfer)
 
     def _send_refit(self, plan: RefitPlan, with_checksum: bool, setup: Callable[[bool], object],
                     transfer: Callable[[list, Callable], None]) -> dict:
