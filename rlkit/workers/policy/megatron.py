@@ -341,15 +341,8 @@ class MegatronModelWorker:
         bucket = self._plan.buckets[self._next_bucket]
         self._next_bucket += 1
         start = time.perf_counter()
-        if self._exported is None and out is not None:  # direct rows into a kept buffer: keep the copies too
-            key = (bucket.index, out.data_ptr(), out.numel())
-            if key not in self._pack_copies:
-                self._pack_copies[key] = self._plan.copies(bucket.index, self._sources, out[:bucket.nbytes])
-            packed = self._plan.pack_copies(bucket.index, out[:bucket.nbytes], self._pack_copies[key], with_checksum)
-            self._export_seconds["pack"] += time.perf_counter() - start
-            return packed
         if self._exported is None:
-            sources = {s.name: self._sources[s.name] for s in bucket.slots}
+            sources = self._sources  # views of the parameters; packing reads this bucket's tensors only
         else:
             tensors = dict(next(self._exported) for _ in bucket.slots)  # the plan follows export order
             expected = {s.name for s in bucket.slots}
@@ -358,7 +351,13 @@ class MegatronModelWorker:
                                    f"{sorted(set(tensors) - expected)[:3]}; rebuild the plan")
             sources = {name: [(tensor, 0)] for name, tensor in tensors.items()}
         exported = time.perf_counter()
-        packed = self._plan.pack(bucket.index, sources, with_checksum, out)
+        if self._exported is None and out is not None:  # kept views into a kept buffer: keep the copies too
+            key = (bucket.index, out.data_ptr(), out.numel())
+            if key not in self._pack_copies:
+                self._pack_copies[key] = self._plan.copies(bucket.index, sources, out[:bucket.nbytes])
+            packed = self._plan.pack_copies(bucket.index, out[:bucket.nbytes], self._pack_copies[key], with_checksum)
+        else:
+            packed = self._plan.pack(bucket.index, sources, with_checksum, out)
         self._export_seconds["export"] += exported - start
         self._export_seconds["pack"] += time.perf_counter() - exported
         return packed
