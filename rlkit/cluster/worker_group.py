@@ -15,6 +15,11 @@ class WorkerError(RuntimeError):
     pass
 
 
+# A worker killed inside a collective first shows up as its peers' errors ("connection closed by
+# peer"); Ray reports the death itself a moment later. This long is given to see it.
+DEATH_GRACE_S = 5.0
+
+
 @ray.remote(num_cpus=0)
 def _free_address() -> tuple[str, int]:
     """A TCP address for torch.distributed's rendezvous on the node of the worker's bundle."""
@@ -47,8 +52,9 @@ class WorkerGroup:
 
     def wait(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
         """Results of refs (in order) within the group's timeout. The first worker to die or fail
-        ends the wait at once, as one error naming it: peers blocked in a collective with it are
-        not waited for. ranks[i] is the worker refs[i] came from (default: one ref per worker)."""
+        ends the wait, as one error naming it: peers blocked in a collective with it are not waited
+        for, and a peer's death outranks the errors it causes in others (the error names the cause).
+        ranks[i] is the worker refs[i] came from (default: one ref per worker)."""
         ranks = list(ranks or range(len(refs)))
         owner = {ref: rank for ref, rank in zip(refs, ranks)}
         deadline = time.monotonic() + self.timeout_s
@@ -65,8 +71,29 @@ class WorkerGroup:
             except RayActorError as e:
                 raise WorkerError(f"{self.role} worker {rank} died during '{what}': {e}") from None
             except RayTaskError as e:
+                death = self._first_death(pending, owner, deadline)
+                if death is not None:
+                    dead_rank, cause = death
+                    raise WorkerError(f"{self.role} worker {dead_rank} died during '{what}': {cause}\n"
+                                      f"(worker {rank} then failed: {e.cause!r})") from None
                 raise WorkerError(f"{self.role} worker {rank} failed in '{what}':\n{e}") from None
         return ray.get(list(refs))
+
+    @staticmethod
+    def _first_death(pending: list, owner: dict, deadline: float) -> tuple[int, RayActorError] | None:
+        """The rank and error of the first pending worker found dead within DEATH_GRACE_S, or None."""
+        grace_end = min(time.monotonic() + DEATH_GRACE_S, deadline)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(grace_end - time.monotonic(), 0.0))
+            if not ready:
+                return None
+            try:
+                ray.get(ready[0])
+            except RayActorError as e:
+                return owner[ready[0]], e
+            except RayTaskError:
+                pass  # another peer's consequence of the same failure
+        return None
 
     def submit(self, method: str, *args, ranks: list[int] | None = None, **kwargs) -> list:
         """Same arguments to every worker (or to `ranks`); returns object refs."""
