@@ -43,22 +43,24 @@ class RefitExtension:
         from rlkit.refit.channel import READY, StandingReceiver
         from rlkit.refit.cuda_ipc import IpcReceiver
 
-        if transport == "cuda_ipc":
-            ipc = IpcReceiver()
+        ipc = IpcReceiver() if transport == "cuda_ipc" else None
 
-            def serve(channel, plan, start):
-                replay = self._rlkit_loader(plan)
+        def serve(channel, plan, start):
+            replay = self._rlkit_loader(plan)
+
+            def load(packed):
+                replay.load(packed, start.verify)
+
+            if ipc is not None:
                 if start.setup is not None:  # the old slots are about to be unmapped
                     replay.release_buffers()
-                ipc.receive(channel, plan, start.setup, lambda packed: replay.load(packed, start.verify))
-                return {"refit/replayable_fraction": replay.replayable_fraction}
-        else:
-            def serve(channel, plan, start):
-                replay = self._rlkit_loader(plan)
+                ipc.receive(channel, plan, start.setup, load)
+            else:
                 self._rlkit_group.prepare(plan)
                 channel.send(READY)  # the sender broadcasts only once every receiver got this far
-                self._rlkit_group.receive_all(plan, lambda packed: replay.load(packed, start.verify), start.verify)
-                return {"refit/replayable_fraction": replay.replayable_fraction}
+                self._rlkit_group.receive_all(plan, load, start.verify)
+            return {"refit/replayable_fraction": replay.replayable_fraction}
+
         self._rlkit_receiver = StandingReceiver(address, name, serve, torch.cuda.current_device(), timeout_s)
 
     @_pickled_args
