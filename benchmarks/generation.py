@@ -39,14 +39,14 @@ class VllmDirect:
 
 class RlkitWorker:
     def __init__(self, model_dir: str):
-        from rlkit.config.load import load_config
+        from rlkit.launch.config import load_config
         from rlkit.workers.generation.vllm import VLLMGenerationWorker
         cfg, _ = load_config("grpo_tiny_gpu", [f"generation.vllm.gpu_memory_utilization={ENGINE['gpu_memory_utilization']}",
                                                f"generation.vllm.max_model_len={ENGINE['max_model_len']}"])
         self.worker = VLLMGenerationWorker(model_dir, cfg.generation, seed=0, rank=0, sleep_mode=False)
 
     def generate(self, prompt_ids, max_tokens, temperature) -> int:
-        from rlkit.workers.generation.base import SamplingParams
+        from rlkit.data.generation import SamplingParams
         out = self.worker.generate(prompt_ids, SamplingParams(max_tokens, temperature, 1.0, 0, seed=0))
         return sum(len(t) for t in out.token_ids)
 

@@ -29,9 +29,9 @@ TRANSPORTS = {"cuda_ipc": ["cluster.placement=colocated", "refit=cuda_ipc"],
 def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int]) -> list[dict]:
     """One set of workers per transport; every bucket size is its own plan on them."""
     from rlkit.cluster.setup import start_workers
-    from rlkit.config.load import load_config
+    from rlkit.launch.config import load_config
+    from rlkit.refit.driver import RefitDriver
     from rlkit.refit.plan import RefitPlan
-    from rlkit.refit.transports import TRANSPORTS as IMPLEMENTATIONS
 
     cfg, _ = load_config("grpo_tiny_gpu", [f"policy.model_path={model_dir}", *TRANSPORTS[transport],
                                            "refit.verify_checksums=false", "generation.vllm.max_model_len=1024",
@@ -41,11 +41,11 @@ def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int])
     setup_s = time.perf_counter() - start
     rows = []
     try:
-        manifest = workers.policy.rank0("refit_manifest")
-        refit = IMPLEMENTATIONS[transport](workers.policy, workers.generation, workers.placement_group)
-        workers.generation.call("wake")
+        driver = RefitDriver(cfg, workers.policy, workers.generation, workers.placement_group, sleepers=[])
+        refit = driver.transfer
+        workers.generation.wake()
         for bucket_mb in bucket_mbs:
-            plan = RefitPlan.build(manifest, bucket_mb << 20, transfer_dtype="bfloat16")
+            plan = RefitPlan.build(driver.manifest, bucket_mb << 20, transfer_dtype="bfloat16")
             learn_s = refit(plan, False)["refit/seconds"]  # the first refit of a plan goes through vLLM's loader
             results = [refit(plan, False) for _ in range(rounds)]
             checked = refit(plan, True)["refit/seconds"]  # with checksums on, for the record
@@ -71,9 +71,9 @@ def logprob_agreement(workers, model_dir: Path) -> float:
     or stale weights in vLLM would show here, on a random-init model most of all."""
     from transformers import AutoTokenizer
 
-    from rlkit.data.rollout import rollout_batch
-    from rlkit.refit.verify import logprob_error
-    from rlkit.workers.generation.base import SamplingParams
+    from rlkit.data.batch import rollout_batch
+    from rlkit.observability.logprob_agreement import logprob_error
+    from rlkit.data.generation import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer(f"{a}+{b}=")["input_ids"] for a in range(4) for b in range(4)]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlkit.config.load import RECIPES_DIR, ConfigError, load_config
+from rlkit.config.schema import ConfigError
+from rlkit.launch.config import RECIPES_DIR, load_config
 
 
 def _train(args) -> int:
@@ -16,9 +17,9 @@ def _train(args) -> int:
     if args.cfg == "job":
         sys.stdout.write(OmegaConf.to_yaml(resolved, resolve=True))
         return 0
-    from rlkit.algorithms import run
+    from rlkit.launch.run import train
 
-    result = run(cfg, resolved)
+    result = train(cfg, resolved)
     first, last = result.history[0], result.history[-1]
     moved = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in first if k.startswith("val/") and k in last)
     logging.getLogger("rlkit").info("done: %s; metrics in %s", moved, result.run_dir / "metrics.jsonl")
@@ -27,9 +28,9 @@ def _train(args) -> int:
 
 def _verify_refit(args) -> int:
     cfg, _ = load_config(args.config_name, args.overrides, Path(args.config_dir))
-    from rlkit.algorithms.policy_gradient import run_verify_refit
+    from rlkit.launch.run import verify_refit
 
-    metrics = run_verify_refit(cfg, args.num_prompts)
+    metrics = verify_refit(cfg, args.num_prompts)
     for key in ["refit/logprob_abs_error_mean", "refit/logprob_abs_error_max", "refit/token_mult_prob_error",
                 "refit/tokens_compared", "refit/seconds", "refit/gbytes_per_s"]:
         print(f"{key}: {metrics[key]:.6g}")
@@ -44,7 +45,7 @@ def _env_check(args) -> int:
 
 
 def _convert(args) -> int:
-    from rlkit.checkpoint import export_hf
+    from rlkit.launch.run import export_hf
 
     print(f"HF checkpoint written to {export_hf(Path(args.checkpoint), Path(args.out))}")
     return 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # rlkit's GPU work on a device machine prepared by ../shared/gpu (README "GPU development").
-#   bash scripts/gpu_session.sh tests|refit-tests|bench|bench-7b|refit-bench|all    logs and JSON land in $OUT
+#   bash scripts/gpu_session.sh tests|refit-tests|bench|bench-7b|refit-bench|refit-bench-512|all    logs and JSON land in $OUT
 set -uo pipefail
 source /tmp/gpucarry/env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -9,12 +9,13 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 tests() { timeout "$1" python3 -m pytest "${2:-tests/gpu}" -v -rA -s -p no:cacheprovider --timeout=200 2>&1 | tee "$OUT/gpu_tests.log"; }
 generation() { timeout 250 python3 benchmarks/generation.py --size 1.5b --out "$OUT/generation.json" 2>&1 | tee "$OUT/generation.log"; }
-refit() { timeout "$2" python3 benchmarks/refit.py --sizes "$1" --out "$OUT/refit_${1//,/-}.json" 2>&1 | tee "$OUT/refit_${1//,/-}.log"; }
+refit() { timeout "$2" python3 benchmarks/refit.py --sizes "$1" --bucket-mb "${3:-512,2048}" --out "$OUT/refit_${1//,/-}.json" 2>&1 | tee "$OUT/refit_${1//,/-}.log"; }
 case "$1" in
   tests) tests 560 ;;
   refit-tests) tests 560 tests/gpu/test_vllm_refit.py ;;
   bench) generation; refit 1.5b 320 ;;
   refit-bench) refit 1.5b,7b 570 ;;
+  refit-bench-512) refit 1.5b,7b 400 512 ;;
   bench-7b) refit 7b 570 ;;
   all) tests 330; refit 1.5b 240 ;;
 esac

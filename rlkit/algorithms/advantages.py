@@ -1,6 +1,15 @@
-"""Advantage estimators: pure functions of rewards. Registry at the bottom."""
+"""Advantage estimators: pure functions of rewards (and, token-level, of logprobs and values).
+
+Token-level estimators run where a rollout shard is held (rlkit/workers/policy/megatron.py);
+statistics over the whole batch, such as whitening, take `reduce(tensor, op)`, which combines a
+tensor over every shard with op in {"sum", "min", "max"}. The default, `whole_batch`, is the
+identity: the tensors are the whole batch."""
 
 import torch
+
+
+def whole_batch(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    return tensor
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
@@ -30,6 +39,11 @@ def _centered_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.where(all_equal, torch.zeros_like(centered), centered)
 
 
+def group_centered(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[num_prompts * group_size] rewards minus their group's mean (equal groups: exactly 0)."""
+    return _centered_groups(rewards, group_size).view(-1)
+
+
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740).
 
@@ -41,28 +55,29 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (_centered_groups(rewards, group_size) * (group_size / (group_size - 1))).view(-1)
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, reduce=whole_batch) -> torch.Tensor:
     """(x - mean) / (std + eps) over the entries where mask is 1, 0 elsewhere (PPO advantages).
 
     values, mask: same shape, mask 0/1. std is the unbiased sample std over the masked entries.
     Masked entries that are all equal (including a single one) give exactly 0, so float rounding
     of the mean is not blown up to unit scale; no masked entries give all zeros.
-    Unmasked entries may hold inf/nan. Returns float32, same shape as values.
+    Unmasked entries may hold inf/nan. reduce: over several shards (see the module's docstring).
+    Returns float32, same shape as values.
     """
     keep = mask.bool()
     x = torch.where(keep, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))
-    count = keep.sum()
-    mean = x.sum() / count.clamp(min=1)
+    count = reduce(keep.sum(), "sum")
+    mean = reduce(x.sum(), "sum") / count.clamp(min=1)
     centered = torch.where(keep, x - mean, torch.zeros_like(x))
-    std = (centered.square().sum() / (count - 1).clamp(min=1)).sqrt()
-    lowest = torch.where(keep, x, torch.full_like(x, float("inf"))).amin()
-    highest = torch.where(keep, x, torch.full_like(x, float("-inf"))).amax()
+    std = (reduce(centered.square().sum(), "sum") / (count - 1).clamp(min=1)).sqrt()
+    lowest = reduce(torch.where(keep, x, torch.full_like(x, float("inf"))).amin(), "min")
+    highest = reduce(torch.where(keep, x, torch.full_like(x, float("-inf"))).amax(), "max")
     all_equal = (lowest == highest) | (count == 0)
     return torch.where(all_equal, torch.zeros_like(x), centered / (std + eps))
 
 
 def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float,
-                            group_size: int | None = None, eps: float = 1e-8) -> torch.Tensor:
+                            group_size: int | None = None, eps: float = 1e-8, reduce=whole_batch) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): token-level returns, whitened over the batch.
 
     rewards: [B] scalar reward per sample; mask: [B, S] response tokens (token-aligned, may have
@@ -72,16 +87,17 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, kl: torch
     token. A_t = sum of token rewards at masked positions >= t (undiscounted return-to-go), then
     whitened over all masked tokens of the batch (see whiten; fewer than 2 masked tokens give 0).
     group_size (REINFORCE++-baseline) first subtracts each group's mean reward; a zero-length
-    sample still counts in its group's mean. Rows with no masked token get 0. Returns [B, S] float32.
+    sample still counts in its group's mean (over shards: centre on the controller, pass None).
+    Rows with no masked token get 0. Returns [B, S] float32.
     """
     keep = mask.bool()
-    scalar = rewards.float() if group_size is None else _centered_groups(rewards, group_size).view(-1)
+    scalar = rewards.float() if group_size is None else group_centered(rewards, group_size)
     kl_rewards = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
     if kl is not None:
         kl_rewards = torch.where(keep, -kl_coef * kl.float(), kl_rewards)
     kl_returns = kl_rewards.flip(1).cumsum(dim=1).flip(1)  # unmasked positions add 0
     # the last masked token is at or after every masked t, so every return-to-go holds the reward once
-    return whiten(kl_returns + scalar.unsqueeze(1), mask, eps)
+    return whiten(kl_returns + scalar.unsqueeze(1), mask, eps, reduce)
 
 
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
@@ -125,12 +141,16 @@ def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.T
     return out
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over response tokens: 1 is a perfect critic, 0 no
-    better than a constant."""
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce=whole_batch) -> float:
+    """1 - Var(returns - values) / Var(returns) over response tokens (unbiased variances): 1 is a
+    perfect critic, 0 no better than a constant."""
     m = mask.bool()
-    variance = returns[m].var()
-    return float(1.0 - (returns[m] - values[m]).var() / variance) if variance > 0 else 0.0
+    r, d = returns[m].double(), (returns[m] - values[m]).double()
+    n = reduce(torch.tensor(float(m.sum()), dtype=torch.float64), "sum")
+    sums = [reduce(x, "sum") for x in (r.sum(), r.square().sum(), d.sum(), d.square().sum())]
 
+    def variance(total, squares):
+        return (squares - total * total / n) / (n - 1) if n > 1 else torch.zeros((), dtype=torch.float64)
 
-ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages, "rloo": rloo_advantages}
+    var_returns = variance(sums[0], sums[1])
+    return float(1.0 - variance(sums[2], sums[3]) / var_returns) if var_returns > 0 else 0.0

@@ -10,9 +10,10 @@ from typing import Protocol
 from omegaconf import DictConfig
 
 from rlkit.checkpoint import CheckpointManager
+from rlkit.cluster.setup import RunWorkers
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.config.schema import RootConfig
-from rlkit.data.rollout import PromptStream
+from rlkit.data.stream import ShuffledStream
 from rlkit.observability.metrics import MetricsLogger, console_line
 
 log = logging.getLogger("rlkit")
@@ -24,7 +25,29 @@ class RunResult:
     run_dir: Path
 
 
+@dataclass
+class TrainingData:
+    train: list  # rows (RL prompts) or tokenized examples (SFT, DPO)
+    val: list
+    identity: tuple = ()  # e.g. the data files' sizes and times: a warm start cached for other data is not reused
+
+
+@dataclass
+class RunContext:
+    """What a trainer is built from: the run's config, its started workers, the data and the
+    checkpoint the policy started from (after any warm start: the KL / DPO reference)."""
+
+    cfg: RootConfig
+    algorithm: object  # its AlgorithmSpec
+    workers: RunWorkers
+    tokenizer: object
+    data: TrainingData
+    start_dir: Path
+
+
 class Trainer(Protocol):
+    rows_per_step: int  # rows of the training data each step takes
+
     def step(self, rows: list, step: int) -> dict: ...
 
     def validate(self) -> dict: ...
@@ -34,8 +57,11 @@ class Trainer(Protocol):
 
     def load(self, checkpoint_dir: str) -> None: ...
 
+    def close(self) -> None:
+        """Stop what the trainer started (e.g. environment workers)."""
 
-def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: PromptStream,
+
+def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: ShuffledStream,
               checkpoints: CheckpointManager, logger: MetricsLogger, resume_from: Path | None) -> RunResult:
     """Steps 1..algorithm.num_steps (after the checkpoint's step when resuming), validating before
     the first and every algorithm.val_every, checkpointing every checkpoint.every and at the end."""

@@ -11,19 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlkit.data.batch import BatchTotals
+
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-
-
-@dataclass(frozen=True)
-class BatchTotals:
-    """Counts over the whole optimizer batch (all micro-batches, all DP ranks)."""
-
-    num_tokens: float  # masked tokens
-    num_sequences: float
-
-
-def batch_totals(mask: torch.Tensor) -> BatchTotals:
-    return BatchTotals(num_tokens=float(mask.sum()), num_sequences=float(mask.shape[0]))
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, totals: BatchTotals) -> torch.Tensor:
@@ -94,12 +84,6 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
 def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor, totals: BatchTotals) -> tuple[torch.Tensor, dict]:
     """Supervised next-token loss: token-mean negative log-likelihood over masked tokens."""
     return aggregate(-logprobs, mask, "token-mean", totals), {}
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of softmax(logits) over the last dim."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
 
 
 def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, average: bool) -> torch.Tensor:

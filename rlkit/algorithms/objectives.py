@@ -1,5 +1,6 @@
 """What a worker's train step minimises. Each objective binds one pure loss from losses.py to the
-Batch fields it reads; the worker stays loss-agnostic and calls `objective(output, micro_batch,
+Batch fields it reads, and declares them (`fields`): only those (and the model's inputs) reach the
+worker's train step. The worker stays loss-agnostic and calls `objective(output, micro_batch,
 totals)` on its model's output: token-aligned logprobs [b, S] for a policy, values [b, S] for a
 critic. Objectives are frozen dataclasses, so they travel to Ray workers as plain data.
 """
@@ -8,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rlkit.algorithms.losses import (BatchTotals, ClippedPolicyLossConfig, DPOLossConfig, aggregate,
-                                     clipped_policy_loss, dpo_loss, nll_loss, sequence_logprobs, value_loss)
-from rlkit.data.batch import Batch
+from rlkit.algorithms.losses import (ClippedPolicyLossConfig, DPOLossConfig, aggregate, clipped_policy_loss, dpo_loss,
+                                     nll_loss, sequence_logprobs, value_loss)
+from rlkit.data.batch import Batch, BatchTotals
 
 
 @dataclass(frozen=True)
@@ -20,10 +21,13 @@ class PolicyGradient:
     loss: ClippedPolicyLossConfig
     mask_key: str = "response_mask"
 
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.mask_key, "old_logprobs", "advantages") + (("reference_logprobs",) if self.loss.kl_coef > 0 else ())
+
     def __call__(self, logprobs: torch.Tensor, batch: Batch, totals: BatchTotals):
         return clipped_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch[self.mask_key],
-                                   self.loss, totals, batch["reference_logprobs"] if "reference_logprobs" in batch
-                                   else None)
+                                   self.loss, totals, batch["reference_logprobs"] if self.loss.kl_coef > 0 else None)
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,10 @@ class NextTokenNLL:
     """Supervised fine-tuning: NLL on the tokens of loss_mask."""
 
     mask_key: str = "loss_mask"
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.mask_key,)
 
     def __call__(self, logprobs: torch.Tensor, batch: Batch, totals: BatchTotals):
         return nll_loss(logprobs, batch[self.mask_key], totals)
@@ -44,6 +52,10 @@ class DirectPreference:
 
     loss: DPOLossConfig
     mask_key: str = "loss_mask"
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.mask_key, "reference_logprobs")
 
     def __call__(self, logprobs: torch.Tensor, batch: Batch, totals: BatchTotals):
         mask, average = batch[self.mask_key], self.loss.loss_type == "ipo"
@@ -67,6 +79,10 @@ class ValueRegression:
     clip: float
     aggregation: str
     mask_key: str = "response_mask"
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.mask_key, "old_values", "returns")
 
     def __call__(self, values: torch.Tensor, batch: Batch, totals: BatchTotals):
         return value_loss(values, batch["old_values"], batch["returns"], batch[self.mask_key], self.clip,

@@ -1,220 +1,205 @@
-"""The RL controller: GRPO, RLOO and REINFORCE++ (PPO subclasses it in ppo.py).
-One step = refit -> generate -> reward -> logprobs -> advantages -> train."""
+"""The RL family's controller: GRPO, RLOO, REINFORCE++ and PPO differ only in their estimator
+and where their KL goes (their modules' AlgorithmSpec). One step:
 
-import logging
-from pathlib import Path
+    sync weights -> generate + reward -> hold the rollout on the policy workers
+    -> logprobs (and the reference's) -> advantages -> train
+
+The rollout's token tensors cross the controller once: after the episodes, split per
+data-parallel rank into the object store. Logprobs, token-level advantages and training happen
+where each shard is held; only per-sample rewards and metrics come back.
+"""
+
+from dataclasses import dataclass, field
 
 import torch
-from omegaconf import DictConfig
-from transformers import AutoTokenizer
+from omegaconf import MISSING
 
-from rlkit.algorithms.advantages import grpo_advantages, reinforce_pp_advantages, rloo_advantages
-from rlkit.algorithms.loop import RunResult, run_steps
-from rlkit.algorithms.losses import ClippedPolicyLossConfig, batch_totals
+from rlkit.algorithms.episodes import Episodes, run_episodes
+from rlkit.algorithms.loop import RunContext, TrainingData
+from rlkit.algorithms.losses import LOSS_AGGREGATIONS, ClippedPolicyLossConfig
 from rlkit.algorithms.objectives import PolicyGradient
-from rlkit.algorithms.rollout import Rollout, run_episodes
-from rlkit.algorithms.warm_start import cached_warm_start, sft_steps, warm_start_dir
-from rlkit.checkpoint import CheckpointManager
-from rlkit.cluster.setup import Workers, start_workers
-from rlkit.config.schema import RootConfig
+from rlkit.algorithms.warm_start import sft_steps
+from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig
 from rlkit.data.arithmetic import arithmetic_splits
-from rlkit.data.batch import Batch
-from rlkit.data.rollout import PromptStream, rollout_batch
-from rlkit.envs.runner import EnvGroup
-from rlkit.models.resolve import resolve_model_dir
-from rlkit.observability.metrics import MetricsLogger, PhaseTimer
-from rlkit.refit.plan import RefitPlan
-from rlkit.refit.transports import TRANSPORTS
-from rlkit.refit.verify import logprob_error
-from rlkit.workers.generation.base import SamplingParams
-
-log = logging.getLogger("rlkit")
+from rlkit.data.batch import Batch, BatchTotals, batch_totals
+from rlkit.data.generation import SamplingParams
+from rlkit.envs.runner import EnvironmentPool
+from rlkit.observability.logprob_agreement import agreement_metrics
+from rlkit.observability.metrics import PhaseTimer
+from rlkit.refit.driver import RefitDriver
 
 
-def kl_in_loss(cfg: RootConfig) -> bool:
-    """Where the KL to the reference goes: a k3 term in the loss (GRPO, RLOO, PPO with
-    kl_mode=loss) or a per-token penalty in the rewards (REINFORCE++, PPO with kl_mode=reward)."""
-    a = cfg.algorithm
-    return a.name in ("grpo", "rloo") or (a.name == "ppo" and a.kl_mode == "loss")
+@dataclass
+class PolicyGradientConfig:
+    """What every RL algorithm shares: rollouts, advantages, the clipped policy loss."""
+
+    name: str = MISSING
+    num_steps: int = MISSING
+    prompts_per_step: int = MISSING
+    group_size: int = MISSING
+    clip_low: float = MISSING
+    clip_high: float = MISSING
+    kl_coef: float = MISSING
+    loss_aggregation: str = MISSING
+    val_every: int = MISSING
+    val_greedy: bool = MISSING
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+def load_prompts(cfg: RootConfig, tokenizer) -> TrainingData:
+    train, val = arithmetic_splits(cfg.data)
+    return TrainingData(train, val)
+
+
+def warm_start_on_answers(cfg: RootConfig, policy, tokenizer, data: TrainingData, out_dir) -> None:
+    """A random-init model never answers, so every reward would be 0: SFT on the ground-truth
+    answers first (algorithm.warm_start)."""
+    w = cfg.algorithm.warm_start
+    sft_steps(policy, tokenizer, data.train, w.sft_steps, w.batch_size, w.lr, cfg.run.seed)
+
+
+def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
+    """The family's checks; min_group_size 2 for estimators that compare a prompt's samples."""
+    from rlkit.algorithms.warm_start import validate_warm_start
+
+    p, g, a = cfg.policy, cfg.generation, cfg.algorithm
+    if a.loss_aggregation not in LOSS_AGGREGATIONS:
+        raise ConfigError(f"algorithm.loss_aggregation: must be one of {list(LOSS_AGGREGATIONS)} "
+                          f"(got: {a.loss_aggregation!r}); pick one of those")
+    for key, value in [("generation.num_workers", g.num_workers), ("algorithm.prompts_per_step", a.prompts_per_step),
+                       ("generation.max_new_tokens", g.max_new_tokens)]:
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1 (got: {value}); set a positive value")
+    validate_warm_start(cfg, dp)
+    # the trainer's logprobs are log_softmax(logits / T) over the full vocabulary: the sampler must
+    # draw from that same distribution, or every ratio in the loss is off-policy
+    if g.temperature <= 0 or g.top_p != 1.0 or g.top_k != 0:
+        raise ConfigError(f"generation.temperature / top_p / top_k: RL samples must come from the distribution the "
+                          f"trainer scores (got: {g.temperature}, {g.top_p}, {g.top_k}); use temperature > 0, "
+                          f"top_p=1.0, top_k=0 (greedy validation: algorithm.val_greedy=true)")
+    if a.kl_coef < 0 or not 0 < a.clip_low < 1 or a.clip_high <= 0:
+        raise ConfigError(f"algorithm.kl_coef / clip_low / clip_high: need kl_coef >= 0, 0 < clip_low < 1, "
+                          f"clip_high > 0 (got: {a.kl_coef}, {a.clip_low}, {a.clip_high}); e.g. 0.0, 0.2, 0.28")
+    if a.group_size < min_group_size:
+        raise ConfigError(f"algorithm.group_size: {a.name.upper()} needs at least 2 samples per prompt to compare "
+                          f"(got: {a.group_size}); set it to 2 or more" if min_group_size > 1 else
+                          f"algorithm.group_size: must be >= 1 (got: {a.group_size}); set a positive value")
+    rollout = a.prompts_per_step * a.group_size
+    if rollout % p.train_global_batch_size:
+        raise ConfigError(f"policy.train_global_batch_size: must divide the rollout size algorithm.prompts_per_step "
+                          f"x algorithm.group_size = {rollout} (got: {p.train_global_batch_size}); pick a divisor "
+                          f"of {rollout}")
+
+
+def per_sample(advantages):
+    """An estimator from a pure function (algorithm config, rewards [B]) -> advantages [B],
+    computed on the controller (rewards are there) and sent to the held shards."""
+    def estimate(trainer: "PolicyGradientTrainer", rewards: torch.Tensor) -> dict:
+        trainer.policy.extend_held(Batch({"advantages": advantages(trainer.cfg.algorithm, rewards)}))
+        return {}
+    return estimate
 
 
 class PolicyGradientTrainer:
-    """The pieces a step needs, set up once."""
+    """The pieces a step needs, set up once (ctx: the started run, rlkit/algorithms/loop.py)."""
 
-    def __init__(self, cfg: RootConfig, workers: Workers, tokenizer, envs: EnvGroup | None,
-                 reference_dir: Path | None = None, val_rows: list[dict] | None = None):
-        self.cfg, self.workers, self.tokenizer, self.envs = cfg, workers, tokenizer, envs
-        self.policy, self.generation, self.val_rows = workers.policy, workers.generation, val_rows
-        a = cfg.algorithm
+    def __init__(self, ctx: RunContext):
+        cfg, workers = ctx.cfg, ctx.workers
+        self.cfg, self.algorithm, self.tokenizer, self.val_rows = cfg, ctx.algorithm, ctx.tokenizer, ctx.data.val
+        self.policy, self.generation = workers.policy, workers.generation
+        self.rows_per_step = cfg.algorithm.prompts_per_step
+        a, g = cfg.algorithm, cfg.generation
+        self.kl_in_loss = self.algorithm.kl_in_loss(a)
         self.objective = PolicyGradient(ClippedPolicyLossConfig(
-            a.clip_low, a.clip_high, a.kl_coef if kl_in_loss(cfg) else 0.0, a.loss_aggregation))
-        g = cfg.generation
+            a.clip_low, a.clip_high, a.kl_coef if self.kl_in_loss else 0.0, a.loss_aggregation))
         self.sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, seed=cfg.run.seed)
-        self.policy.call("set_temperature", g.temperature or 1.0)
-        self.policy.call("set_learning_rate", cfg.policy.optimizer.lr)
+        self.policy.set_temperature(g.temperature or 1.0)
+        self.policy.set_learning_rate(cfg.policy.optimizer.lr)
         if a.kl_coef > 0:  # the KL anchor: the weights the run started from (after any warm start)
-            self.policy.call("init_reference", str(reference_dir))
-        manifest = self.policy.rank0("refit_manifest")
-        self.plan = RefitPlan.build(manifest, int(cfg.refit.bucket_mb * 2**20),
-                                    transfer_dtype="bfloat16" if g.precision == "bf16" else None,
-                                    keep_fp32=tuple(cfg.refit.keep_fp32))
-        self.transport = TRANSPORTS[cfg.refit.transport](self.policy, self.generation, workers.placement_group)
-        self.weights_stale = True  # the generation workers do not hold the policy's starting weights yet
-        # models that leave the GPU to a colocated vLLM while it generates (PPO adds its critic)
-        self.sleepers = [self.policy] if cfg.cluster.placement == "colocated" else []
+            self.policy.init_reference(str(ctx.start_dir))
+        self.critic = self.start_critic(ctx)
+        sleepers = [m for m in (self.policy, self.critic) if m is not None] \
+            if cfg.cluster.placement == "colocated" else []
+        self.refit = RefitDriver(cfg, self.policy, self.generation, workers.placement_group, sleepers)
+        self.envs = EnvironmentPool(cfg.env, cfg.env_runner)
 
-    def refit(self) -> dict:
-        """Push the policy's weights into the generation workers if training changed them; then
-        (colocated on GPU) the trained models sleep, leaving the memory to the generation engines."""
-        self.generation.call("wake", "weights")
-        metrics = {}
-        if self.weights_stale:
-            metrics = self.transport(self.plan, self.cfg.refit.verify_checksums)
-            self.weights_stale = False
-        for model in self.sleepers:
-            freed = sum(model.call("sleep"))
-            if freed:
-                metrics[f"memory/{model.workers.role}_offloaded_gb"] = freed / 1e9
-        self.generation.call("wake")  # the KV cache, now that the policy's memory is free
-        return metrics
-
-    def encode(self, rows: list[dict]) -> list[list[int]]:
-        return [self.tokenizer(r["prompt"])["input_ids"] for r in rows]
-
-    def episodes(self, rows: list[dict], params: SamplingParams, timer: PhaseTimer | None = None) -> Rollout:
-        """Generation and environment turns until every episode is done; timer accumulates the
-        generate and reward phases over the turns."""
-        return run_episodes(rows, self.tokenizer, self.generation, self.envs, params, self.cfg.env_runner, timer)
+    def start_critic(self, ctx: RunContext):
+        """PPO adds its critic here."""
+        return None
 
     def step(self, rows: list[dict], step: int) -> dict:
         a, timer = self.cfg.algorithm, PhaseTimer()
         with timer("step"):
             with timer("refit"):
-                refit_metrics = self.refit()
+                refit_metrics = self.refit.sync()
             sampling = SamplingParams(**{**self.sampling.__dict__, "seed": self.sampling.seed + step})
             episodes = self.episodes([r for r in rows for _ in range(a.group_size)], sampling, timer)
             with timer("generate"):
-                self.generation.call("sleep")  # colocated: give the memory back to the policy
+                self.generation.sleep()  # colocated: give the memory back to the policy
             with timer("logprobs"):
-                rollout = episodes.batch.with_fields(old_logprobs=self.policy.logprobs(episodes.batch))
+                parts = len(episodes.batch) // self.cfg.policy.train_global_batch_size
+                totals = minibatch_totals(episodes.batch, self.policy.layout.dp_size, parts)
+                self.hold(episodes.batch)  # the token tensors leave the controller here
+                agreement = agreement_metrics(self.policy.forward_held("old_logprobs"))
                 if a.kl_coef > 0:
-                    rollout = rollout.with_fields(reference_logprobs=self.policy.reference_logprobs(rollout))
+                    self.policy.forward_held("reference_logprobs", reference=True)
             with timer("advantages"):
-                rollout, advantage_metrics = self.advantages(rollout, episodes.rewards)
+                advantage_metrics = self.algorithm.estimator(self, episodes.rewards)
             with timer("train"):
-                train_metrics = self.train(rollout)
-                self.weights_stale = True
-        mask = rollout["response_mask"]
+                train_metrics = self.train(totals)
+                self.refit.stale = True
         accuracy = {} if episodes.correct is None else {"train/accuracy": episodes.correct.float().mean().item()}
-        return {
-            "train/reward": episodes.rewards.mean().item(), **accuracy,
-            "train/response_length": mask.sum(1).mean().item(), **episodes.metrics, **advantage_metrics,
-            **train_metrics, **refit_metrics, **timer.seconds,
-            **logprob_error(rollout["old_logprobs"], rollout["generation_logprobs"], mask),
-        }
+        return {"train/reward": episodes.rewards.mean().item(), **accuracy,
+                "train/response_length": episodes.response_length, **episodes.metrics, **advantage_metrics,
+                **train_metrics, **refit_metrics, **timer.seconds, **agreement}
 
-    def advantages(self, rollout: Batch, rewards: torch.Tensor) -> tuple[Batch, dict]:
-        """The algorithm's estimator: rollout gains `advantages` ([B] or token-level [B, S])."""
-        a = self.cfg.algorithm
-        if a.name == "grpo":
-            advantages = grpo_advantages(rewards, a.group_size, a.normalize_std)
-        elif a.name == "rloo":
-            advantages = rloo_advantages(rewards, a.group_size)
-        else:  # reinforce_pp: the KL penalty is part of the per-token reward
-            kl = rollout["old_logprobs"] - rollout["reference_logprobs"] if a.kl_coef > 0 else None
-            advantages = reinforce_pp_advantages(rewards, rollout["response_mask"], kl, a.kl_coef,
-                                                 a.group_size if a.baseline else None)
-        return rollout.with_fields(advantages=advantages), {}
+    def episodes(self, rows: list[dict], params: SamplingParams, timer: PhaseTimer | None = None) -> Episodes:
+        """Generation and environment turns until every episode is done; timer accumulates the
+        generate and reward phases over the turns."""
+        return run_episodes(rows, self.tokenizer, self.generation, self.envs, params, self.cfg.env_runner, timer)
 
-    def train(self, rollout) -> dict:
-        """One optimizer step per mini-batch of policy.train_global_batch_size samples."""
-        keys = ["input_ids", "response_mask", "old_logprobs", "advantages"]
-        if "reference_logprobs" in rollout:
-            keys.append("reference_logprobs")
-        minibatches = rollout.select(*keys).split(len(rollout) // self.cfg.policy.train_global_batch_size)
-        sums, tokens = {}, rollout["response_mask"].sum().item()
-        for minibatch in minibatches:
-            m = self.policy.train(minibatch, batch_totals(minibatch["response_mask"]), self.objective)
-            for k, v in m.items():
+    def hold(self, rollout: Batch) -> None:
+        self.policy.hold(rollout)
+
+    def train(self, totals: list[BatchTotals]) -> dict:
+        """One optimizer step per mini-batch of policy.train_global_batch_size samples: part i of
+        every held shard (totals[i] counts that mini-batch over all shards)."""
+        sums = {}
+        for part, part_totals in enumerate(totals):
+            for k, v in self.policy.train_held(part, len(totals), part_totals, self.objective).items():
                 sums[k] = sums.get(k, 0.0) + v
-        out = {"train/loss": sums["loss"] / len(minibatches), "train/grad_norm": sums["grad_norm"] / len(minibatches),
-               "train/clip_fraction": sums["clipped_tokens"] / max(tokens, 1),
-               "train/entropy": sums["entropy"] / max(tokens, 1)}
+        tokens = max(sum(t.num_tokens for t in totals), 1.0)
+        out = {"train/loss": sums["loss"] / len(totals), "train/grad_norm": sums["grad_norm"] / len(totals),
+               "train/clip_fraction": sums["clipped_tokens"] / tokens, "train/entropy": sums["entropy"] / tokens}
         if "kl" in sums:
-            out["train/kl"] = sums["kl"] / max(tokens, 1)
+            out["train/kl"] = sums["kl"] / tokens
         return out
 
     def validate(self) -> dict:
-        """Answers to held-out prompts from the current policy weights (refit first), sampled as in
-        training or greedy (algorithm.val_greedy); the seed is fixed so runs compare."""
-        refit_metrics = self.refit()
+        """Answers to held-out prompts from the current policy weights (synced first), sampled as
+        in training or greedy (algorithm.val_greedy); the seed is fixed so runs compare."""
+        refit_metrics = self.refit.sync()
         params = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0}) if self.cfg.algorithm.val_greedy \
             else self.sampling
         episodes = self.episodes(self.val_rows, params)
-        self.generation.call("sleep")  # what follows (training, a checkpoint) needs the policy's memory
+        self.generation.sleep()  # what follows (training, a checkpoint) needs the policy's memory
         accuracy = {} if episodes.correct is None else {"val/accuracy": episodes.correct.float().mean().item()}
         return {**refit_metrics, "val/reward": episodes.rewards.mean().item(), **accuracy}
 
     def save(self, checkpoint_dir: str):
-        self.policy.call("save_checkpoint", checkpoint_dir, self.cfg.checkpoint.save_format)
+        self.policy.save_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
 
     def load(self, checkpoint_dir: str):
-        self.policy.call("load_checkpoint", checkpoint_dir, self.cfg.checkpoint.save_format)
-        self.weights_stale = True
+        self.policy.load_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
+        self.refit.stale = True
+
+    def close(self):
+        self.envs.shutdown()
 
 
-def run_policy_gradient(cfg: RootConfig, resolved: DictConfig) -> RunResult:
-    """An RL run of algorithm.name (grpo, rloo, reinforce_pp, ppo) on the arithmetic prompts."""
-    from rlkit.algorithms.ppo import PPO
-
-    run_dir = Path(cfg.run.output_dir) / cfg.run.name
-    checkpoints = CheckpointManager(cfg.checkpoint, run_dir)
-    resume_from = checkpoints.to_resume()
-    train_set, val_set = arithmetic_splits(cfg.data)
-    reference_dir, warm_dir = warm_start_dir(cfg, resolve_model_dir(cfg), resume_from)
-    tokenizer = AutoTokenizer.from_pretrained(reference_dir)
-    ppo = cfg.algorithm.name == "ppo"
-    workers = start_workers(cfg, str(reference_dir), with_critic=ppo)
-    state_step = CheckpointManager.controller_state(resume_from)["step"] if resume_from else None
-    logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state_step)
-    envs = None
-    try:
-        if resume_from is None and warm_dir is not None:
-            w = cfg.algorithm.warm_start
-            log.info("warm start: the random-init model cannot earn reward yet; running %d SFT steps with "
-                     "rlkit's trainer, cached in %s", w.sft_steps, warm_dir)
-            cached_warm_start(workers.policy, warm_dir, lambda: sft_steps(
-                workers.policy, tokenizer, train_set, w.sft_steps, w.batch_size, w.lr, cfg.run.seed))
-            workers.policy.call("reset_optimizer")
-            reference_dir = warm_dir
-        envs = EnvGroup(cfg.env, cfg.env_runner)
-        trainer = (PPO if ppo else PolicyGradientTrainer)(cfg, workers, tokenizer, envs, reference_dir, val_set)
-        prompts = PromptStream(train_set, cfg.algorithm.prompts_per_step, cfg.run.seed)
-        return run_steps(cfg, resolved, trainer, prompts, checkpoints, logger, resume_from)
-    finally:
-        logger.close()
-        if envs is not None:
-            envs.shutdown()
-        workers.shutdown()
-
-
-def run_verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
-    """Load the model into policy and generation, refit, sample answers to held-out prompts and
-    compare the sampler's logprobs with the policy's on the same tokens."""
-    _, val_set = arithmetic_splits(cfg.data)
-    model_dir = resolve_model_dir(cfg)
-    workers = start_workers(cfg, str(model_dir))
-    try:
-        trainer = PolicyGradientTrainer(cfg, workers, AutoTokenizer.from_pretrained(model_dir), envs=None,
-                                        reference_dir=model_dir)
-        metrics = trainer.refit()
-        prompt_ids = trainer.encode(val_set[:num_prompts])
-        generations = trainer.generation.generate(prompt_ids, trainer.sampling)
-        rollout = rollout_batch(prompt_ids, generations, trainer.tokenizer.pad_token_id)
-        rollout = rollout.slice(0, len(rollout) - len(rollout) % workers.policy.layout.dp_size)
-        train_logprobs = trainer.policy.logprobs(rollout)
-        metrics.update(logprob_error(train_logprobs, rollout["generation_logprobs"], rollout["response_mask"]))
-        metrics["refit/tokens_compared"] = int(rollout["response_mask"].sum())
-        return metrics
-    finally:
-        workers.shutdown()
+def minibatch_totals(batch: Batch, dp: int, parts: int, mask_key: str = "response_mask") -> list[BatchTotals]:
+    """Per mini-batch (part i of every DP shard), its token and sequence counts over all shards."""
+    totals = [BatchTotals(0.0, 0.0)] * parts
+    for shard in batch.split(dp):
+        totals = [t + batch_totals(piece[mask_key]) for t, piece in zip(totals, shard.split(parts))]
+    return totals

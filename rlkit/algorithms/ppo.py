@@ -1,56 +1,95 @@
 """PPO with a learned critic: the policy-gradient step with a different estimator. The critic's
 values and the per-token rewards give GAE advantages (whitened over the batch) and returns; the
 critic then regresses the returns with a clipped value loss, and the policy takes the clipped
-surrogate step."""
+surrogate step. The critic holds the same rollout shards as the policy; GAE runs on the critic's
+workers, and the fields one side needs from the other (the policy's logprobs for a KL penalty in
+the reward, the critic's advantages) move between them through the object store."""
 
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
+from omegaconf import MISSING
 
+from rlkit.algorithms import policy_gradient
 from rlkit.algorithms.advantages import explained_variance, gae_advantages, token_rewards, whiten
-from rlkit.algorithms.policy_gradient import PolicyGradientTrainer
-from rlkit.algorithms.losses import batch_totals
 from rlkit.algorithms.objectives import ValueRegression
+from rlkit.algorithms.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+from rlkit.algorithms.registry import AlgorithmSpec
 from rlkit.cluster.setup import start_critic
-from rlkit.data.batch import Batch
+from rlkit.config.schema import ConfigError
+from rlkit.data.batch import Batch, BatchTotals
+
+
+@dataclass
+class CriticConfig:
+    lr: float = MISSING
+    value_clip: float = MISSING
+
+
+@dataclass
+class PPOConfig(PolicyGradientConfig):
+    kl_mode: str = MISSING
+    gamma: float = MISSING
+    lam: float = MISSING
+    critic: CriticConfig = field(default_factory=CriticConfig)
+
+
+@dataclass(frozen=True)
+class GAE:
+    """On a critic's held shard (values in old_values): whitened GAE advantages and returns, and
+    the explained variance's sums. kl_coef > 0 puts the policy's KL penalty into the rewards."""
+
+    gamma: float
+    lam: float
+    kl_coef: float
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return ("response_mask", "old_values") + (("old_logprobs", "reference_logprobs") if self.kl_coef > 0 else ())
+
+    def __call__(self, held: Batch, rewards: torch.Tensor, reduce) -> tuple[dict, dict]:
+        mask, values = held["response_mask"], held["old_values"]
+        kl_penalty = self.kl_coef * (held["old_logprobs"] - held["reference_logprobs"]) if self.kl_coef > 0 else None
+        advantages, returns = gae_advantages(token_rewards(rewards, mask, kl_penalty), values, mask, self.gamma,
+                                             self.lam)
+        metrics = {"critic/explained_variance": explained_variance(values, returns, mask, reduce)}
+        return {"advantages": whiten(advantages, mask, reduce=reduce), "returns": returns}, metrics
+
+
+def estimate(trainer: "PPO", rewards: torch.Tensor) -> dict:
+    a = trainer.cfg.algorithm
+    kl_coef = a.kl_coef if a.kl_mode == "reward" else 0.0
+    trainer.critic.forward_held("old_values")
+    if kl_coef > 0:
+        trainer.critic.extend_held(trainer.policy.export_held("old_logprobs", "reference_logprobs"))
+    sums = trainer.critic.estimate_held(GAE(a.gamma, a.lam, kl_coef), rewards)
+    trainer.policy.extend_held(trainer.critic.export_held("advantages"))
+    return sums[0]  # every shard computed the whole batch's explained variance
 
 
 class PPO(PolicyGradientTrainer):
-    def __init__(self, cfg, workers, tokenizer, envs, reference_dir: Path | None = None, val_rows=None):
-        super().__init__(cfg, workers, tokenizer, envs, reference_dir, val_rows)
-        # initialised from the checkpoint the policy starts from (after any warm start)
-        self.critic = start_critic(cfg, workers, str(reference_dir))
-        if cfg.cluster.placement == "colocated":
-            self.sleepers.append(self.critic)
-        self.value_objective = ValueRegression(cfg.algorithm.critic.value_clip, cfg.algorithm.loss_aggregation)
+    def start_critic(self, ctx):
+        """Initialised from the checkpoint the policy starts from (after any warm start)."""
+        critic = start_critic(ctx.cfg, ctx.workers, str(ctx.start_dir))
+        self.value_objective = ValueRegression(ctx.cfg.algorithm.critic.value_clip, ctx.cfg.algorithm.loss_aggregation)
+        return critic
 
-    def advantages(self, rollout: Batch, rewards: torch.Tensor) -> tuple[Batch, dict]:
-        a, mask = self.cfg.algorithm, rollout["response_mask"]
-        values = self.critic.values(rollout)
-        kl_penalty = a.kl_coef * (rollout["old_logprobs"] - rollout["reference_logprobs"]) \
-            if a.kl_coef > 0 and a.kl_mode == "reward" else None
-        advantages, returns = gae_advantages(token_rewards(rewards, mask, kl_penalty), values, mask, a.gamma, a.lam)
-        rollout = rollout.with_fields(advantages=whiten(advantages, mask), returns=returns, old_values=values)
-        return rollout, {}
+    def hold(self, rollout: Batch) -> None:
+        self.critic.hold(self.policy.hold(rollout))  # the same shards: stored once
 
-    def train(self, rollout: Batch) -> dict:
+    def train(self, totals: list[BatchTotals]) -> dict:
         """The critic's step, then the policy's (timed together as timing/train)."""
-        return {**self.train_critic(rollout), **super().train(rollout)}
+        return {**self.train_critic(totals), **super().train(totals)}
 
-    def train_critic(self, rollout: Batch) -> dict:
+    def train_critic(self, totals: list[BatchTotals]) -> dict:
         """One critic optimizer step per mini-batch, like the policy's."""
-        mask = rollout["response_mask"]
-        minibatches = rollout.select("input_ids", "response_mask", "returns", "old_values").split(
-            len(rollout) // self.cfg.policy.train_global_batch_size)
         sums = {}
-        for minibatch in minibatches:
-            for k, v in self.critic.train(minibatch, batch_totals(minibatch["response_mask"]),
-                                          self.value_objective).items():
+        for part, part_totals in enumerate(totals):
+            for k, v in self.critic.train_held(part, len(totals), part_totals, self.value_objective).items():
                 sums[k] = sums.get(k, 0.0) + v
-        tokens = max(mask.sum().item(), 1.0)
-        out = {"critic/value_loss": sums["loss"] / len(minibatches), "critic/grad_norm": sums["grad_norm"] / len(minibatches),
-               "critic/value_error": sums["value_error"] / tokens,
-               "critic/explained_variance": explained_variance(rollout["old_values"], rollout["returns"], mask)}
+        tokens = max(sum(t.num_tokens for t in totals), 1.0)
+        out = {"critic/value_loss": sums["loss"] / len(totals), "critic/grad_norm": sums["grad_norm"] / len(totals),
+               "critic/value_error": sums["value_error"] / tokens}
         if "value_clipped_tokens" in sums:
             out["critic/clip_fraction"] = sums["value_clipped_tokens"] / tokens
         return out
@@ -58,8 +97,28 @@ class PPO(PolicyGradientTrainer):
     # the critic is always saved as a Megatron dist checkpoint: its value head has no HF name
     def save(self, checkpoint_dir: str):
         super().save(checkpoint_dir)
-        self.critic.call("save_checkpoint", checkpoint_dir, "dist")
+        self.critic.save_checkpoint(checkpoint_dir, "dist")
 
     def load(self, checkpoint_dir: str):
         super().load(checkpoint_dir)
-        self.critic.call("load_checkpoint", checkpoint_dir, "dist")
+        self.critic.load_checkpoint(checkpoint_dir, "dist")
+
+
+def validate(cfg, dp: int) -> None:
+    a = cfg.algorithm
+    policy_gradient.validate(cfg, dp)
+    if a.kl_mode not in ("reward", "loss"):
+        raise ConfigError(f"algorithm.kl_mode: must be one of ['reward', 'loss'] (got: {a.kl_mode!r}); pick one of "
+                          f"those")
+    if not (0 <= a.gamma <= 1 and 0 <= a.lam <= 1):
+        raise ConfigError(f"algorithm.gamma / algorithm.lam: must lie in [0, 1] (got: {a.gamma}, {a.lam}); "
+                          f"the usual values are 1.0 and 0.95")
+    if a.critic.lr <= 0:
+        raise ConfigError(f"algorithm.critic.lr: must be > 0 (got: {a.critic.lr}); e.g. the policy's learning rate")
+
+
+ALGORITHM = AlgorithmSpec(
+    name="ppo", config=PPOConfig, data="arithmetic", load_data=policy_gradient.load_prompts, trainer=PPO,
+    rollouts=True, critic=True, warm_start=policy_gradient.warm_start_on_answers,
+    uses_reference=lambda a: a.kl_coef > 0, validate=validate,
+    estimator=estimate, kl_in_loss=lambda a: a.kl_mode == "loss")

@@ -5,22 +5,21 @@ import os
 import shutil
 from pathlib import Path
 
-from rlkit.algorithms.losses import batch_totals
 from rlkit.algorithms.objectives import NextTokenNLL
-from rlkit.cluster.roles import PolicyGroup
-from rlkit.config.load import ConfigError
-from rlkit.config.schema import RootConfig
-from rlkit.data.rollout import PromptStream, supervised_batch
+from rlkit.cluster.groups import ModelWorkers
+from rlkit.config.schema import ConfigError, RootConfig
+from rlkit.data.batch import batch_totals, supervised_batch
+from rlkit.data.stream import ShuffledStream
 from rlkit.models.resolve import cache_key
 
 log = logging.getLogger("rlkit")
 
 
-def sft_steps(policy: PolicyGroup, tokenizer, dataset, steps: int, batch_size: int, lr: float,
+def sft_steps(policy: ModelWorkers, tokenizer, dataset, steps: int, batch_size: int, lr: float,
               seed: int) -> list[float]:
     """`steps` optimizer steps of NLL on answer + EOS tokens. Returns the loss of each step."""
-    rows = PromptStream(dataset, batch_size, seed)
-    policy.call("set_learning_rate", lr)
+    rows = ShuffledStream(dataset, batch_size, seed)
+    policy.set_learning_rate(lr)
     losses = []
     for step in range(1, steps + 1):
         batch_rows = next(rows)
@@ -33,18 +32,34 @@ def sft_steps(policy: PolicyGroup, tokenizer, dataset, steps: int, batch_size: i
     return losses
 
 
-def cached_warm_start(policy: PolicyGroup, out_dir: Path, train) -> None:
-    """Run `train()` and save the policy as an HF checkpoint at out_dir, atomically: a
-    half-written directory never looks complete."""
+def cached_warm_start(policy: ModelWorkers, out_dir: Path, train) -> None:
+    """Run `train()`, save the policy as an HF checkpoint at out_dir, atomically (a half-written
+    directory never looks complete), and drop the optimizer state, so a run that just did the
+    warm start and one that loaded it from the cache train on alike."""
     train()
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.call("save_hf", str(tmp))
+    policy.save_hf(str(tmp))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
+    policy.reset_optimizer()
 
 
-def warm_start_dir(cfg: RootConfig, model_dir: Path, resume_from: Path | None,
+def validate_warm_start(cfg: RootConfig, dp: int) -> None:
+    w, p = cfg.algorithm.warm_start, cfg.policy
+    if w.sft_steps < 0:
+        raise ConfigError(f"algorithm.warm_start.sft_steps: must be >= 0 (got: {w.sft_steps}); 0 skips the warm start")
+    if w.batch_size < 1:
+        raise ConfigError(f"algorithm.warm_start.batch_size: must be >= 1 (got: {w.batch_size}); set a positive value")
+    if w.lr <= 0:
+        raise ConfigError(f"algorithm.warm_start.lr: must be > 0 (got: {w.lr}); e.g. 1e-3 for tiny models")
+    if w.sft_steps > 0 and w.batch_size % (dp * p.micro_batch_size):
+        raise ConfigError(f"algorithm.warm_start.batch_size: must be divisible by DP ({dp}) x "
+                          f"policy.micro_batch_size ({p.micro_batch_size}) (got: {w.batch_size}); "
+                          f"set it to a multiple of {dp * p.micro_batch_size}")
+
+
+def warm_start_dir(cfg: RootConfig, model_dir: Path, resume_from: Path | None, uses_reference: bool,
                    *data_identity) -> tuple[Path, Path | None]:
     """(directory the policy starts from, warm-start directory still to be written or None).
     The cache key covers the model, the warm-start settings, the data section and data_identity
@@ -59,7 +74,7 @@ def warm_start_dir(cfg: RootConfig, model_dir: Path, resume_from: Path | None,
         return warm_dir, None
     # a resumed run loads its weights from the checkpoint, but a reference (DPO's, or RL's KL
     # anchor) retrained from scratch need not match the one the run started with
-    if resume_from is not None and (cfg.algorithm.name == "dpo" or cfg.algorithm.kl_coef > 0):
+    if resume_from is not None and uses_reference:
         raise ConfigError(f"checkpoint.resume: resuming {resume_from} needs the warm-start checkpoint {warm_dir} "
                           f"(the run's reference policy), and it is gone or its inputs changed "
                           f"(run.cache_dir={cfg.run.cache_dir}); restore it or set checkpoint.resume=none")

@@ -75,20 +75,3 @@ class CheckpointManager:
     def controller_state(path: Path) -> dict:
         return torch.load(path / "controller.pt", weights_only=False)
 
-
-def export_hf(checkpoint_dir: Path, out_dir: Path) -> Path:
-    """`rlkit convert`: HF weights (with config and tokenizer) from a checkpoint of either format.
-    The policy is rebuilt as the run had it (its saved config), loads the checkpoint and writes
-    through the bridge; no offline converter."""
-    from rlkit.cluster.setup import start_workers
-    from rlkit.config.load import to_typed
-    from rlkit.models.resolve import resolve_model_dir
-
-    cfg = to_typed(OmegaConf.load(checkpoint_dir / "config.yaml"))
-    workers = start_workers(cfg, str(resolve_model_dir(cfg)), with_generation=False)
-    try:
-        workers.policy.call("load_checkpoint", str(checkpoint_dir), cfg.checkpoint.save_format)
-        workers.policy.call("save_hf", str(out_dir))
-    finally:
-        workers.shutdown()
-    return out_dir

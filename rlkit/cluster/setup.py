@@ -6,22 +6,24 @@ from typing import Callable
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from rlkit.cluster.groups import GenerationWorkers, ModelWorkers
 from rlkit.cluster.placement import Placement, plan_placement
-from rlkit.cluster.ray_cluster import connect, device_kind
-from rlkit.cluster.roles import CriticGroup, GenerationGroup, PolicyGroup
+from rlkit.cluster.ray_runtime import device_kind, join_or_start_ray
 from rlkit.cluster.worker_group import WorkerGroup, rendezvous_address
 from rlkit.config.schema import RootConfig
 
 
 @dataclass
-class Workers:
-    policy: PolicyGroup
-    generation: GenerationGroup | None  # None for policy-only runs
+class RunWorkers:
+    """Every worker of a run, on one placement group."""
+
+    policy: ModelWorkers
+    generation: GenerationWorkers | None  # None for runs without rollouts
     placement_group: object
     started_cluster: bool
     placement: Placement
     device: str
-    critic: CriticGroup | None = None  # PPO: added by start_critic
+    critic: ModelWorkers | None = None  # PPO: added by start_critic
 
     def shutdown(self):
         for group in (self.policy, self.generation, self.critic):
@@ -42,10 +44,11 @@ def _generation_worker(cfg: RootConfig, model_dir: str) -> tuple[type, Callable[
                                                  threads=cfg.cluster.threads_per_worker, rank=rank)
 
 
-def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True, with_critic: bool = False) -> Workers:
+def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
+                  with_critic: bool = False) -> RunWorkers:
     """Policy (and generation) workers on a new placement group; with_critic reserves room on the
     policy's bundles for the critic that start_critic adds later."""
-    started = connect(cfg.cluster)
+    started = join_or_start_ray(cfg.cluster)
     device = device_kind()
     num_generation = cfg.generation.num_workers if with_generation else 0
     placement = plan_placement(cfg.cluster.placement, cfg.policy.num_workers, num_generation, device, with_critic)
@@ -64,25 +67,25 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
         raise
 
 
-def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation) -> Workers:
+def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation) -> RunWorkers:
     c = cfg.cluster
     # Generation first: vLLM sizes its KV cache from the free memory it measures at start-up,
     # which a policy allocating on the same GPU at the same time would falsify.
     generation = None
     if with_generation:
         generation_cls, generation_args = _generation_worker(cfg, model_dir)
-        generation = GenerationGroup(WorkerGroup("generation", generation_cls, pg, placement.generation_bundles,
-                                                 placement.share, device, generation_args, c.call_timeout_s))
-        generation.call("sleep")  # also waits until every engine is up
+        generation = GenerationWorkers(WorkerGroup("generation", generation_cls, pg, placement.generation_bundles,
+                                                   placement.share, device, generation_args, c.call_timeout_s))
+        generation.sleep()  # also waits until every engine is up
     policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
-    return Workers(PolicyGroup(policy), generation, pg, started, placement, device)
+    return RunWorkers(ModelWorkers(policy), generation, pg, started, placement, device)
 
 
-def start_critic(cfg: RootConfig, workers: Workers, model_dir: str) -> CriticGroup:
+def start_critic(cfg: RootConfig, workers: RunWorkers, model_dir: str) -> ModelWorkers:
     """PPO's critic: the policy's layout and optimizer settings (learning rate algorithm.critic.lr),
     a value head on the trunk of the checkpoint at model_dir, on the policy's bundles."""
     critic_cfg = replace(cfg.policy, optimizer=replace(cfg.policy.optimizer, lr=cfg.algorithm.critic.lr))
-    workers.critic = CriticGroup(_megatron_group("critic", cfg, critic_cfg, model_dir, workers.placement_group,
+    workers.critic = ModelWorkers(_megatron_group("critic", cfg, critic_cfg, model_dir, workers.placement_group,
                                                  workers.placement, workers.device, head="value"))
     return workers.critic
 

@@ -1,4 +1,7 @@
-"""WorkerGroup: N Ray actors of one role placed on a placement group, with explicit dispatch."""
+"""WorkerGroup: N Ray actors of one role placed on a placement group, with explicit dispatch.
+
+Methods are named by the worker class's own function (`group.every_rank(MegatronModelWorker.sleep)`),
+never by a string, so an editor and a reader can follow a call to the code it runs."""
 
 import socket
 import time
@@ -8,7 +11,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlkit.data.batch import Batch
+
+Method = Callable  # a function of the worker class, e.g. MegatronModelWorker.sleep
 
 
 class WorkerError(RuntimeError):
@@ -95,24 +99,33 @@ class WorkerGroup:
                 pass  # another peer's consequence of the same failure
         return None
 
-    def submit(self, method: str, *args, ranks: list[int] | None = None, **kwargs) -> list:
+    def submit(self, method: Method, *args, ranks: list[int] | None = None, **kwargs) -> list:
         """Same arguments to every worker (or to `ranks`); returns object refs."""
         chosen = range(len(self.actors)) if ranks is None else ranks
-        return [getattr(self.actors[r], method).remote(*args, **kwargs) for r in chosen]
+        return [getattr(self.actors[r], method.__name__).remote(*args, **kwargs) for r in chosen]
 
-    def call(self, method: str, *args, **kwargs) -> list:
+    def every_rank(self, method: Method, *args, **kwargs) -> list:
         """Replicated call: every worker runs it; one result per worker."""
-        return self.wait(self.submit(method, *args, **kwargs), method)
+        return self.wait(self.submit(method, *args, **kwargs), method.__name__)
 
-    def call_sharded(self, method: str, batch: Batch, shard_of_rank: list[int], output_ranks: list[int],
-                     *args, **kwargs) -> list[Any]:
-        """Split `batch` into one shard per data-parallel rank, give worker r the shard
-        shard_of_rank[r] (one object ref per shard, shared by that shard's workers), and return
-        the results of output_ranks in shard order."""
-        shards = [ray.put(s) for s in batch.split(max(shard_of_rank) + 1)]
-        refs = [getattr(actor, method).remote(shards[shard_of_rank[r]], *args, **kwargs)
-                for r, actor in enumerate(self.actors)]
-        results = self.wait(refs, method)
+    def each(self, method: Method, args_per_rank: list[tuple]) -> list:
+        """Worker r runs method(*args_per_rank[r]); one result per worker."""
+        refs = [getattr(actor, method.__name__).remote(*args) for actor, args in zip(self.actors, args_per_rank)]
+        return self.wait(refs, method.__name__)
+
+    def only(self, ranks: list[int], method: Method, *args, **kwargs) -> list:
+        """Call on `ranks` alone; their results, in that order."""
+        return self.wait(self.submit(method, *args, ranks=ranks, **kwargs), method.__name__, ranks)
+
+    def per_shard(self, method: Method, shards: list, shard_of_rank: list[int], output_ranks: list[int],
+                  *args, **kwargs) -> list[Any]:
+        """Worker r gets shards[shard_of_rank[r]] (a Batch is put into the object store once and
+        shared by that shard's workers; an object ref is passed on as is); returns the results
+        of output_ranks, in shard order."""
+        refs = [s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in shards]
+        calls = [getattr(actor, method.__name__).remote(refs[shard_of_rank[r]], *args, **kwargs)
+                 for r, actor in enumerate(self.actors)]
+        results = self.wait(calls, method.__name__)
         return [results[r] for r in output_ranks]
 
     def kill(self):

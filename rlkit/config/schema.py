@@ -1,10 +1,15 @@
 """Typed schema of the whole config. Defaults live in configs/*.yaml (one place each); the
-schema only fixes names and types, so unknown keys and wrong types fail at load time."""
+schema only fixes names and types, so unknown keys and wrong types fail at load time. Each
+algorithm's own section is declared by its module (rlkit/algorithms/registry.py)."""
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """One line naming the config key (or file) at fault and how to fix it."""
 
 
 @dataclass
@@ -79,80 +84,11 @@ class RefitConfig:
 
 @dataclass
 class WarmStartConfig:
+    """A short supervised run before RL or DPO (algorithm.warm_start in those algorithms)."""
+
     sft_steps: int = MISSING
     batch_size: int = MISSING
     lr: float = MISSING
-
-
-@dataclass
-class PolicyGradientConfig:
-    """What every RL algorithm shares: rollouts, advantages, the clipped policy loss."""
-
-    name: str = MISSING
-    num_steps: int = MISSING
-    prompts_per_step: int = MISSING
-    group_size: int = MISSING
-    clip_low: float = MISSING
-    clip_high: float = MISSING
-    kl_coef: float = MISSING
-    loss_aggregation: str = MISSING
-    val_every: int = MISSING
-    val_greedy: bool = MISSING
-    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-
-
-@dataclass
-class GRPOConfig(PolicyGradientConfig):
-    normalize_std: bool = MISSING
-
-
-@dataclass
-class RLOOConfig(PolicyGradientConfig):
-    pass
-
-
-@dataclass
-class ReinforcePPConfig(PolicyGradientConfig):
-    baseline: bool = MISSING
-
-
-@dataclass
-class CriticConfig:
-    lr: float = MISSING
-    value_clip: float = MISSING
-
-
-@dataclass
-class PPOConfig(PolicyGradientConfig):
-    kl_mode: str = MISSING
-    gamma: float = MISSING
-    lam: float = MISSING
-    critic: CriticConfig = field(default_factory=CriticConfig)
-
-
-@dataclass
-class SFTConfig:
-    name: str = MISSING
-    num_steps: int = MISSING
-    val_every: int = MISSING
-
-
-@dataclass
-class DPOConfig:
-    name: str = MISSING
-    num_steps: int = MISSING
-    val_every: int = MISSING
-    beta: float = MISSING
-    label_smoothing: float = MISSING
-    loss_type: str = MISSING
-    sft_weight: float = MISSING
-    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-
-
-# algorithm.name -> its schema; the `algorithm=` config group picks one
-ALGORITHMS = {"grpo": GRPOConfig, "rloo": RLOOConfig, "reinforce_pp": ReinforcePPConfig, "ppo": PPOConfig,
-              "sft": SFTConfig, "dpo": DPOConfig}
-RL_ALGORITHMS = ("grpo", "rloo", "reinforce_pp", "ppo")
 
 
 @dataclass
@@ -234,7 +170,7 @@ class RootConfig:
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    # typed by algorithm.name / data.name through ALGORITHMS / DATASETS at load time
+    # typed at load time: algorithm by its module's spec (algorithm.name), data through DATASETS
     algorithm: Any = MISSING
     data: Any = MISSING
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -8,8 +8,8 @@ A dict of tensors sharing the leading (sample) dimension. Fields used by rlkit, 
   generation_logprobs  [B, S] float  sampler logprob of each response token (token-aligned)
   old_logprobs         [B, S] float  policy logprob before this step's update (token-aligned)
   reference_logprobs   [B, S] float  frozen reference policy logprob (token-aligned)
-  advantages           [B]    float  one advantage per sample (broadcast over its tokens)
-  rewards              [B]    float
+  advantages           [B] or [B, S] float  per sample (broadcast over its tokens) or per token
+  returns, old_values  [B, S] float  PPO: the critic's regression targets and its values at rollout time
   loss_mask            [B, S] float  SFT: 1 on target tokens
 
 Right padding keeps position ids 0..S-1 valid for every sample, so no attention mask is needed.
@@ -18,6 +18,25 @@ Right padding keeps position ids 0..S-1 valid for every sample, so no attention 
 from dataclasses import dataclass
 
 import torch
+
+
+MODEL_INPUTS = ("input_ids", "position_ids", "segment_ids")  # what a forward pass reads (packing adds the last two)
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """Counts over the whole optimizer batch (all micro-batches, all DP ranks): the normalizers
+    that make each micro-batch's loss its exact share of the batch loss."""
+
+    num_tokens: float  # masked tokens
+    num_sequences: float
+
+    def __add__(self, other: "BatchTotals") -> "BatchTotals":
+        return BatchTotals(self.num_tokens + other.num_tokens, self.num_sequences + other.num_sequences)
+
+
+def batch_totals(mask: torch.Tensor) -> BatchTotals:
+    return BatchTotals(num_tokens=float(mask.sum()), num_sequences=float(mask.shape[0]))
 
 
 @dataclass
@@ -72,3 +91,26 @@ def right_pad(sequences: list[list[int]], pad_id: int, length: int | None = None
     for i, seq in enumerate(sequences):
         out[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
     return out
+
+
+def rollout_batch(prompt_ids: list[list[int]], generations, pad_id: int) -> Batch:
+    """Right-padded prompt+response rows with a response mask and the sampler's logprobs,
+    all token-aligned (generations: rlkit.data.generation.Generations)."""
+    sequences = [p + r for p, r in zip(prompt_ids, generations.token_ids)]
+    input_ids = right_pad(sequences, pad_id)
+    response_mask = torch.zeros(input_ids.shape, dtype=torch.float32)
+    generation_logprobs = torch.zeros(input_ids.shape, dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompt_ids, generations.token_ids, generations.logprobs)):
+        response_mask[i, len(p):len(p) + len(r)] = 1.0
+        generation_logprobs[i, len(p):len(p) + len(r)] = torch.tensor(lp, dtype=torch.float32)
+    return Batch({"input_ids": input_ids, "response_mask": response_mask,
+                  "generation_logprobs": generation_logprobs})
+
+
+def supervised_batch(prompt_ids: list[list[int]], target_ids: list[list[int]], pad_id: int) -> Batch:
+    """prompt+target rows; loss_mask marks the target tokens."""
+    input_ids = right_pad([p + t for p, t in zip(prompt_ids, target_ids)], pad_id)
+    loss_mask = torch.zeros(input_ids.shape, dtype=torch.float32)
+    for i, (p, t) in enumerate(zip(prompt_ids, target_ids)):
+        loss_mask[i, len(p):len(p) + len(t)] = 1.0
+    return Batch({"input_ids": input_ids, "loss_mask": loss_mask})

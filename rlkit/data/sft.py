@@ -6,9 +6,16 @@ two equal-length lists where loss_mask[t] = 1 marks a token the model is trained
 every assistant message's content plus its end-of-turn marker.
 """
 
+import logging
+import os
 from pathlib import Path
 
 import datasets
+
+from rlkit.config.schema import ConfigError
+from rlkit.data.arithmetic import arithmetic_splits
+
+log = logging.getLogger("rlkit")
 
 LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 ROLES = ("system", "user", "assistant", "tool")
@@ -152,3 +159,29 @@ def _render_prefix(tokenizer, messages, count: int, add_generation_prompt: bool,
 def _unstable(where: str, why: str) -> str:
     return (f"{where}: the tokenizer's chat template is not prefix-stable ({why}), so assistant tokens cannot be "
             f"located; use a chat template that renders each turn the same whatever follows it")
+
+
+def load_tokenized_splits(d, tokenize, synthetic_writer) -> tuple[list, list]:
+    """Tokenized (train, val) examples of data.train_path / data.val_path (d: FileDataConfig),
+    after writing the synthetic set there first if data.synthetic asks for it and the files are
+    missing. tokenize(row, where) -> example; synthetic_writer(path, rows)."""
+    if d.synthetic is not None:
+        for path, rows in zip([d.train_path, d.val_path], arithmetic_splits(d.synthetic)):
+            if path is not None and not Path(path).exists():
+                log.info("data: writing the synthetic arithmetic set to %s", path)
+                synthetic_writer(path, rows)
+    splits = []
+    for key, path in [("data.train_path", d.train_path), ("data.val_path", d.val_path)]:
+        if path is None:
+            splits.append([])
+            continue
+        try:
+            splits.append([tokenize(row, f"{path} row {i}") for i, row in enumerate(load_rows(path))])
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"{key}: {e}") from None
+    return splits[0], splits[1]
+
+
+def file_identity(*paths: str | None) -> tuple:
+    """(path, size, mtime) of local files: a warm start cached for other contents is not reused."""
+    return tuple((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths if p and os.path.isfile(p))

@@ -68,8 +68,8 @@ class EnvironmentFailure(RuntimeError):
     pass
 
 
-class EnvGroup:
-    """The controller's handle on the environment workers."""
+class EnvironmentPool:
+    """The controller's handle on the environment workers (Ray actors, env_runner.num_workers)."""
 
     def __init__(self, env_cfg: dict, cfg: EnvRunnerConfig):
         self.target = env_cfg["_target_"]

@@ -1,5 +1,6 @@
 """The refit control channel between a policy rank and the generation workers it sends to, and
-the standing receiver that serves refits inside each generation worker's process.
+the thread that serves refits inside each generation worker's process (its receiver:
+rlkit/refit/receiver.py).
 
 Why a standing receiver: vLLM runs its model in a process of its own, so a call into it
 (Ray actor -> LLM.collective_rpc -> engine core -> worker) costs ~2.5 ms before any byte moves,
@@ -126,7 +127,7 @@ class ChannelServer:
             raise
         return channel
 
-    def connect(self) -> bool:
+    def accept_receivers(self) -> bool:
         """Accepts the receivers not connected yet (all of them at the first refit or after a
         failed one); whether any was."""
         fresh, refused = len(self._channels) < self.receivers, 0
@@ -141,7 +142,7 @@ class ChannelServer:
         return fresh
 
     def begin(self, plan: RefitPlan, verify: bool, setup: object = None) -> list[Channel]:
-        """Tells every receiver (connected by connect()) that a refit starts; the plan travels
+        """Tells every receiver (accepted by accept_receivers()) that a refit starts; the plan travels
         only when it changed. Returns the channels in the order the receivers connected."""
         start = RefitStart(None if plan == self._last_plan else plan, verify, setup)
         for channel in self._channels:
@@ -172,7 +173,7 @@ class ChannelServer:
         self._server.close()
 
 
-def connect(address: tuple[str, int, bytes], name: str, timeout_s: float) -> Channel:
+def connect_to_sender(address: tuple[str, int, bytes], name: str, timeout_s: float) -> Channel:
     host, port, token = address
     channel = Channel(socket.create_connection((host, port), timeout=timeout_s), f"the policy rank at {host}:{port}",
                       timeout_s)
@@ -181,7 +182,7 @@ def connect(address: tuple[str, int, bytes], name: str, timeout_s: float) -> Cha
     return channel
 
 
-class StandingReceiver:
+class ChannelThread:
     """A daemon thread in a generation worker's process: connects to the policy rank's channel
     and serves each refit it starts with serve(channel, plan, start) -> stats. A failed refit is
     reported to the sender, then the thread connects again for the next one; it ends when the
@@ -201,7 +202,7 @@ class StandingReceiver:
             torch.cuda.set_stream(torch.cuda.Stream())
         while True:
             try:
-                channel = connect(self.address, self.name, self.timeout_s)
+                channel = connect_to_sender(self.address, self.name, self.timeout_s)
             except OSError:
                 return  # nobody listens any more: the policy worker is gone
             try:

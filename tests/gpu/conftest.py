@@ -4,7 +4,7 @@ import pytest
 import ray
 import torch
 
-from rlkit.config.load import load_config
+from rlkit.launch.config import load_config
 
 
 def pytest_collection_modifyitems(items):

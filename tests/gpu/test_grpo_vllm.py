@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rlkit.algorithms.policy_gradient import run_policy_gradient
+from rlkit.launch.run import train
 
 COLOCATED = ["cluster.placement=colocated", "refit=cuda_ipc"]
 DISAGGREGATED = ["cluster.placement=disaggregated", "refit=nccl"]
@@ -15,7 +15,7 @@ DISAGGREGATED = ["cluster.placement=disaggregated", "refit=nccl"]
 def test_grpo_with_vllm(ray_cluster, make_cfg, layout):
     cfg, resolved = make_cfg(*layout, "algorithm.num_steps=3", "algorithm.val_every=3",
                              "algorithm.warm_start.sft_steps=20", f"run.name=gpu_{layout[0].split('=')[1]}")
-    result = run_policy_gradient(cfg, resolved)
+    result = train(cfg, resolved)
     assert len(result.history) == 4
     for metrics in result.history[1:]:
         assert all(math.isfinite(metrics[k]) for k in ["train/reward", "train/grad_norm", "train/entropy"])

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlkit.algorithms.losses import batch_totals
+from rlkit.data.batch import batch_totals
 from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.cluster.setup import start_workers
 from rlkit.data.batch import Batch

@@ -10,8 +10,8 @@ import torch
 
 from rlkit.cluster.setup import start_workers
 from rlkit.models.resolve import resolve_model_dir
-from rlkit.refit.plan import RefitPlan, bucket_checksum
-from rlkit.refit.transports import TRANSPORTS
+from rlkit.refit.driver import RefitDriver
+from rlkit.refit.plan import bucket_checksum
 
 
 COLOCATED = ["cluster.placement=colocated", "refit=cuda_ipc"]
@@ -36,11 +36,10 @@ def refit_setup(request, ray_cluster, make_cfg):
     cfg, _ = make_cfg(*request.param, "refit.bucket_mb=0.25")  # many buckets for the tiny model
     model_dir = resolve_model_dir(cfg)
     workers = start_workers(cfg, str(model_dir))
-    plan = RefitPlan.build(workers.policy.rank0("refit_manifest"), int(cfg.refit.bucket_mb * 2**20),
-                           transfer_dtype="bfloat16")
-    transport = TRANSPORTS[cfg.refit.transport](workers.policy, workers.generation, workers.placement_group)
-    workers.generation.call("wake")
-    yield workers, plan, transport, model_dir
+    driver = RefitDriver(cfg, workers.policy, workers.generation, workers.placement_group, sleepers=[])
+    assert driver.plan.buckets[0].slots[0].dtype == "bfloat16"  # generation.precision=bf16: bf16 on the wire
+    workers.generation.wake()
+    yield workers, driver.plan, driver.transfer, model_dir
     workers.shutdown()
 
 
@@ -52,8 +51,8 @@ def test_refit_is_bit_exact(refit_setup):
     assert metrics["refit/buckets"] == len(plan.buckets) > 1
     # TP=1 policy: rows copied straight from the parameters; every tensor's load replayed
     assert metrics["refit/direct_export"] == 1.0 and metrics["refit/replayable_fraction"] == 1.0
-    exported = workers.policy.rank0("export_hf_weights")
-    for checksums in workers.generation.call("weight_checksums"):
+    exported = workers.policy.export_hf_weights()
+    for checksums in workers.generation.weight_checksums():
         for name, checksum in checksums.items():
             expected = _expected_vllm_tensor(name, exported).cuda().contiguous()
             assert checksum == bucket_checksum(expected.view(-1).view(torch.uint8)), name
@@ -63,9 +62,9 @@ def test_generation_logprobs_match_policy(refit_setup):
     """token_mult_prob_error after a refit, on sampled answers to held-out prompts."""
     from transformers import AutoTokenizer
 
-    from rlkit.data.rollout import rollout_batch
-    from rlkit.refit.verify import logprob_error
-    from rlkit.workers.generation.base import SamplingParams
+    from rlkit.data.batch import rollout_batch
+    from rlkit.observability.logprob_agreement import logprob_error
+    from rlkit.data.generation import SamplingParams
 
     workers, plan, transport, model_dir = refit_setup
     transport(plan, True)

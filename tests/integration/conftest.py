@@ -4,7 +4,7 @@ configs that point at a session-private cache of tiny models."""
 import pytest
 import ray
 
-from rlkit.config.load import load_config
+from rlkit.launch.config import load_config
 from rlkit.models.resolve import resolve_model_dir
 
 

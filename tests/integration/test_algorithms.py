@@ -7,9 +7,9 @@ import statistics
 
 import pytest
 
-from rlkit.algorithms import run
 from rlkit.algorithms.loop import RunResult
-from rlkit.config.load import load_config
+from rlkit.launch.config import load_config
+from rlkit.launch import run as launch
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ def train(ray_cluster, cache_dir, tmp_path_factory):
     def train_recipe(recipe: str, *overrides: str) -> RunResult:
         cfg, resolved = load_config(recipe, [f"run.cache_dir={cache_dir}", f"run.output_dir={outputs}",
                                              "checkpoint.every=0", *overrides])
-        return run(cfg, resolved)
+        return launch.train(cfg, resolved)
 
     return train_recipe
 
@@ -45,26 +45,22 @@ def test_dpo_preference_accuracy_passes_0_9(train):
     assert history[-1]["val/reward_margin"] > 0
 
 
-def test_ppo_reward_rises_while_value_loss_falls(train):
-    history = train("ppo_tiny_cpu", "algorithm.num_steps=30", "algorithm.val_every=30").history
-    assert mean(history, "train/reward", slice(-10, None)) > mean(history, "train/reward", slice(0, 3)) + 0.05
-    assert history[-1]["val/reward"] > history[0]["val/reward"]
-    assert mean(history, "critic/value_loss", slice(-10, None)) < 0.5 * mean(history, "critic/value_loss", slice(0, 3))
+def test_ppo_reward_rises_while_value_loss_falls_and_resumes_with_its_critic(train):
+    """PPO learns; its last checkpoint holds the critic beside the policy, and rerunning with more
+    steps continues after it, loading both."""
+    first = train("ppo_tiny_cpu", "algorithm.num_steps=20", "algorithm.val_every=20", "run.name=ppo").history
+    assert mean(first, "train/reward", slice(-10, None)) > mean(first, "train/reward", slice(0, 3)) + 0.05
+    assert first[-1]["val/reward"] > first[0]["val/reward"]
+    assert mean(first, "critic/value_loss", slice(-10, None)) < 0.5 * mean(first, "critic/value_loss", slice(0, 3))
+    resumed = train("ppo_tiny_cpu", "algorithm.num_steps=21", "algorithm.val_every=20", "run.name=ppo")
+    assert [m["step"] for m in resumed.history] == list(range(22))
+    assert resumed.history[:21] == first and "critic/value_loss" in resumed.history[21]
+    checkpoint = resumed.run_dir / "checkpoints" / "step_000021"
+    assert (checkpoint / "critic").is_dir() and (checkpoint / "policy").is_dir()
 
 
 @pytest.mark.parametrize("recipe", ["reinforce_pp_tiny_cpu", "rloo_tiny_cpu"])
 def test_reinforce_pp_and_rloo_raise_the_reward(train, recipe):
-    history = train(recipe, "algorithm.num_steps=50", "algorithm.val_every=50").history
+    history = train(recipe, "algorithm.num_steps=35", "algorithm.val_every=35").history
     assert mean(history, "train/reward", slice(-10, None)) > mean(history, "train/reward", slice(0, 10)) + 0.05
     assert history[-1]["val/reward"] > history[0]["val/reward"]
-
-
-def test_ppo_checkpoint_holds_the_critic_and_resumes(train):
-    """A PPO checkpoint has the critic beside the policy; rerunning continues after it, loading both."""
-    first = train("ppo_tiny_cpu", "algorithm.num_steps=2", "run.name=ppo_resume").history
-    resumed = train("ppo_tiny_cpu", "algorithm.num_steps=3", "run.name=ppo_resume")
-    assert [m["step"] for m in first] == [0, 1, 2]
-    assert [m["step"] for m in resumed.history] == [0, 1, 2, 3]  # steps 0-2 kept from the first run's log
-    assert resumed.history[:3] == first and "critic/value_loss" in resumed.history[3]
-    checkpoint = resumed.run_dir / "checkpoints" / "step_000003"
-    assert (checkpoint / "critic").is_dir() and (checkpoint / "policy").is_dir()

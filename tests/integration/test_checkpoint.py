@@ -16,12 +16,11 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlkit.algorithms.policy_gradient import run_policy_gradient
-from rlkit.algorithms.losses import batch_totals
 from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.cluster.setup import start_workers
 from rlkit.cluster.worker_group import WorkerError
-from rlkit.data.batch import Batch
+from rlkit.data.batch import Batch, batch_totals
+from rlkit.launch.run import train
 
 pytestmark = pytest.mark.integration
 RUN = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3", "algorithm.prompts_per_step=8",
@@ -48,11 +47,11 @@ def reference_run(tmp_path_factory, cache_dir):
     return compared(out / "grpo_tiny_cpu" / "metrics.jsonl")
 
 
-def kill_when(process, condition, timeout_s=300):
+def kill_when(process, condition, point: str, timeout_s=300):
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert process.poll() is None, "the run ended before the kill point"
-        assert time.monotonic() < deadline, "kill point never reached"
+        assert process.poll() is None, f"the run ended before the kill point ({point})"
+        assert time.monotonic() < deadline, f"kill point never reached ({point})"
         time.sleep(0.005)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
@@ -64,21 +63,24 @@ def steps_logged(run_dir) -> int:
         if path.exists() else -1
 
 
-@pytest.mark.parametrize("kill_point", ["after_step_1", "after_step_3", "while_checkpointing", "after_step_5"])
-def test_sigkill_then_resume_matches_uninterrupted(reference_run, tmp_path, cache_dir, kill_point):
+def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, tmp_path, cache_dir):
+    """One run killed with SIGKILL at each point in turn (before its first checkpoint, after steps 3
+    and 5, and while a checkpoint is being written) and started again with the same command each
+    time ends with exactly the metrics of an uninterrupted run."""
     run_dir = tmp_path / "grpo_tiny_cpu"
     checkpoints = run_dir / "checkpoints"
-    conditions = {
-        "after_step_1": lambda: steps_logged(run_dir) >= 1,
-        "after_step_3": lambda: steps_logged(run_dir) >= 3,
-        "after_step_5": lambda: steps_logged(run_dir) >= 5,
-        # a checkpoint directory that is still being written
-        "while_checkpointing": lambda: checkpoints.is_dir() and any(".tmp-" in p.name for p in checkpoints.iterdir()),
+    kill_points = {
+        "after step 1": lambda: steps_logged(run_dir) >= 1,
+        "after step 3": lambda: steps_logged(run_dir) >= 3,
+        # a checkpoint directory that is still being written (step 4's, after resuming from step 2)
+        "while checkpointing": lambda: checkpoints.is_dir() and any(".tmp-" in p.name for p in checkpoints.iterdir()),
+        "after step 5": lambda: steps_logged(run_dir) >= 5,
     }
-    # the run is its own process group: SIGKILL takes the driver and the local Ray cluster it started
-    process = subprocess.Popen(train_command(tmp_path, cache_dir), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-    kill_when(process, conditions[kill_point])
+    for point, condition in kill_points.items():
+        # the run is its own process group: SIGKILL takes the driver and the local Ray cluster it started
+        process = subprocess.Popen(train_command(tmp_path, cache_dir), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, start_new_session=True)
+        kill_when(process, condition, point)
     resumed = subprocess.run(train_command(tmp_path, cache_dir), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert compared(run_dir / "metrics.jsonl") == reference_run
@@ -97,9 +99,9 @@ def test_dist_checkpoint_loads_into_another_tensor_parallel_size(ray_cluster, ma
             if name == "tp1":
                 mask = torch.ones(8, 10)
                 workers.policy.train(batch.with_fields(loss_mask=mask), batch_totals(mask), NextTokenNLL())
-                workers.policy.call("save_checkpoint", str(tmp_path), "dist")
+                workers.policy.save_checkpoint(str(tmp_path), "dist")
             else:
-                workers.policy.call("load_checkpoint", str(tmp_path), "dist")
+                workers.policy.load_checkpoint(str(tmp_path), "dist")
             saved[name] = workers.policy.logprobs(batch)
         finally:
             workers.shutdown()
@@ -107,11 +109,11 @@ def test_dist_checkpoint_loads_into_another_tensor_parallel_size(ray_cluster, ma
 
 
 @pytest.mark.parametrize("save_format", ["dist", "hf"])
-def test_convert_exports_hf_weights(cache_dir, tmp_path, save_format):
-    run = subprocess.run(train_command(tmp_path, cache_dir, "algorithm.num_steps=2", "algorithm.kl_coef=0.0",
-                                       f"checkpoint.save_format={save_format}"),
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+def test_convert_exports_hf_weights(ray_cluster, make_cfg, tmp_path, save_format):
+    cfg, resolved = make_cfg("algorithm.num_steps=2", "algorithm.val_every=2", "algorithm.prompts_per_step=8",
+                             "policy.train_global_batch_size=64", f"checkpoint.save_format={save_format}",
+                             f"run.output_dir={tmp_path}")
+    train(cfg, resolved)
     checkpoint = tmp_path / "grpo_tiny_cpu" / "checkpoints" / "step_000002"
     out = tmp_path / "exported"
     convert = subprocess.run([sys.executable, "-m", "rlkit.cli", "convert", str(checkpoint), str(out)],
@@ -141,7 +143,7 @@ def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_
     killer.start()
     start = time.monotonic()
     with pytest.raises(WorkerError) as error:
-        run_policy_gradient(cfg, resolved)
+        train(cfg, resolved)
     message = str(error.value)
     # "died during '<call>'" (also when the surviving worker's collective fails first), or, when the
     # kill lands inside a checkpoint write whose forked writer keeps the dead worker's connection
@@ -151,9 +153,9 @@ def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_
     assert "last complete checkpoint is" in message
     assert time.monotonic() - start < 120
     # the last complete checkpoint is intact: the same run resumes from it and finishes
-    cfg, resolved = make_cfg("algorithm.num_steps=10", "checkpoint.every=1", "algorithm.val_every=100",
+    cfg, resolved = make_cfg("algorithm.num_steps=5", "checkpoint.every=1", "algorithm.val_every=100",
                              "algorithm.prompts_per_step=8", "policy.train_global_batch_size=64",
                              f"run.output_dir={tmp_path}")
-    history = run_policy_gradient(cfg, resolved).history
-    assert [m["step"] for m in history] == list(range(11))  # step 0 (validation) through 10, once each
+    history = train(cfg, resolved).history
+    assert [m["step"] for m in history] == list(range(6))  # step 0 (validation) through 5, once each
     assert ray.is_initialized()

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from rlkit.algorithms.policy_gradient import run_policy_gradient
+from rlkit.launch.run import train
 
 pytestmark = pytest.mark.integration
 
@@ -17,7 +17,7 @@ def test_three_grpo_steps(ray_cluster, make_cfg, placement):
                              "policy.train_global_batch_size=16", "policy.micro_batch_size=4",
                              "algorithm.kl_coef=0.01", "generation.num_workers=2",
                              f"run.name=grpo_{placement}")
-    result = run_policy_gradient(cfg, resolved)
+    result = train(cfg, resolved)
     assert len(result.history) == 4  # validation before training + 3 steps
     for metrics in result.history[1:]:
         for key in ["train/reward", "train/accuracy", "train/response_length", "train/clip_fraction", "train/kl",

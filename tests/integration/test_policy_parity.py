@@ -102,7 +102,7 @@ def test_packed_rows_give_each_sequence_its_unpacked_logprobs(ray_cluster, make_
 def test_critic_starts_from_the_policy_trunk_and_learns_values(ray_cluster, make_cfg, tiny_qwen2):
     """The critic (value head on the policy's trunk) predicts 0 at first (zero-initialised head)
     and regresses per-token returns with the clipped value loss."""
-    from rlkit.algorithms.losses import batch_totals
+    from rlkit.data.batch import batch_totals
     from rlkit.algorithms.objectives import ValueRegression
     from rlkit.cluster.setup import start_critic
 
@@ -113,7 +113,7 @@ def test_critic_starts_from_the_policy_trunk_and_learns_values(ray_cluster, make
         critic = start_critic(cfg, workers, str(tiny_qwen2))
         g = torch.Generator().manual_seed(0)
         batch = Batch({"input_ids": torch.randint(0, 300, (8, 10), generator=g), "response_mask": torch.ones(8, 10)})
-        values = critic.values(batch)
+        values = critic.logprobs(batch)  # the critic's head: token-aligned values
         assert values.shape == (8, 10) and values.abs().max().item() == 0.0
         returns = torch.linspace(-1, 1, 8).unsqueeze(1).expand(8, 10).contiguous()
         batch = batch.with_fields(returns=returns, old_values=values)

@@ -48,7 +48,7 @@ def ray_head():
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # the head and everything it started share its process group
         try:
-            head.wait(timeout=30)
+            head.wait(timeout=5)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()

@@ -8,8 +8,10 @@ import torch
 from rlkit.cluster.setup import start_workers
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.models.resolve import resolve_model_dir
+from rlkit.refit.driver import ObjectStoreTransfer
 from rlkit.refit.plan import PackedBucket, RefitPlan
-from rlkit.refit.transports import ObjectStoreTransport
+from rlkit.workers.generation.hf import HFGenerationWorker as Engine
+from rlkit.workers.policy.megatron import MegatronModelWorker as Policy
 
 pytestmark = pytest.mark.integration
 
@@ -37,19 +39,19 @@ def workers(request, ray_cluster, make_cfg):
 @pytest.fixture(scope="module")
 def plan(workers):
     # a small budget so the tiny model spans many buckets
-    return RefitPlan.build(workers.policy.rank0("refit_manifest"), bucket_bytes=64 * 1024)
+    return RefitPlan.build(workers.policy.workers.every_rank(Policy.refit_manifest)[0], bucket_bytes=64 * 1024)
 
 
 def test_refit_makes_generation_weights_bit_identical(workers, plan):
-    before = workers.generation.call("weights")[0]
-    metrics = ObjectStoreTransport(workers.policy, workers.generation, workers.placement_group)(plan, True)
-    exported = workers.policy.rank0("export_hf_weights")
+    before = workers.generation.weights()[0]
+    metrics = ObjectStoreTransfer(workers.policy, workers.generation, workers.placement_group)(plan, True)
+    exported = workers.policy.export_hf_weights()
     assert len(plan.buckets) > 3 and metrics["refit/buckets"] == len(plan.buckets)
     assert metrics["refit/direct_export"] == workers.direct_export
     # the sender's share of the time is reported, and is part of the whole
     assert 0 < metrics["timing/refit_export_host"] + metrics["timing/refit_pack_host"] < metrics["refit/seconds"]
     assert set(exported) == set(plan.names)
-    for received in workers.generation.call("weights"):
+    for received in workers.generation.weights():
         assert set(received) == set(exported)
         for name, tensor in exported.items():
             assert received[name].dtype == tensor.dtype
@@ -71,11 +73,10 @@ def test_corrupted_bucket_is_detected_and_named(workers, plan):
     victim = buckets[1]
     corrupted = victim.buffer.clone()
     corrupted[len(corrupted) // 2] ^= 0x10  # one flipped bit
-    generation = workers.generation
-    generation.call("begin_refit", plan, True)
+    generation = workers.generation.workers
+    generation.every_rank(Engine.begin_refit, plan, True)
     with pytest.raises(WorkerError) as error:
-        generation.workers.wait([generation.workers.actors[0].load_bucket.remote(
-            PackedBucket(victim.index, corrupted, victim.checksum))], "load_bucket")
+        generation.only([0], Engine.load_bucket, PackedBucket(victim.index, corrupted, victim.checksum))
     message = str(error.value)
     assert f"bucket {victim.index}" in message and "checksum" in message
     assert plan.buckets[victim.index].slots[0].name in message
@@ -83,9 +84,9 @@ def test_corrupted_bucket_is_detected_and_named(workers, plan):
 
 def test_missing_bucket_fails_the_refit(workers, plan):
     buckets = _packed_buckets(workers, plan)
-    generation = workers.generation
-    generation.call("begin_refit", plan, True)
+    generation = workers.generation.workers
+    generation.every_rank(Engine.begin_refit, plan, True)
     for bucket in buckets[:-1]:
-        generation.call("load_bucket", bucket)
+        generation.every_rank(Engine.load_bucket, bucket)
     with pytest.raises(WorkerError, match=f"buckets \\[{buckets[-1].index}\\] never arrived"):
-        generation.call("end_refit")
+        generation.every_rank(Engine.end_refit)

@@ -50,9 +50,9 @@ def paired_group(ray_cluster):
 
 
 def test_a_death_is_named_over_the_errors_it_causes_in_peers(paired_group):
-    port = paired_group.wait(paired_group.submit("listen", ranks=[1]), "listen", ranks=[1])[0]
+    port, = paired_group.only([1], PairedWorker.listen)
     with pytest.raises(WorkerError) as error:
-        paired_group.call("exchange", port)
+        paired_group.every_rank(PairedWorker.exchange, port)
     message = str(error.value)
     assert message.startswith("policy worker 0 died during 'exchange'"), message
     assert "worker 1 then failed: ConnectionError('connection closed by peer')" in message

@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
-from rlkit.algorithms.advantages import (ADVANTAGE_ESTIMATORS, gae_advantages, grpo_advantages,
-                                        reinforce_pp_advantages, rloo_advantages, whiten)
+import threading
+
+from rlkit.algorithms.advantages import (explained_variance, gae_advantages, grpo_advantages, reinforce_pp_advantages,
+                                        rloo_advantages, whiten)
 from token_masks import MASK, with_garbage
 
 EPS = 1e-6
@@ -98,10 +100,6 @@ def test_group_size_one_is_rejected_or_zero_not_nan():
     except ValueError:
         return
     assert torch.isfinite(adv).all(), f"group_size=1 gave {adv.tolist()}"
-
-
-def test_registry():
-    assert ADVANTAGE_ESTIMATORS["grpo"] is grpo_advantages
 
 
 # ---- token-level estimators: masks and loop references -----------------------------------------
@@ -197,10 +195,6 @@ def test_rloo_equal_rewards_give_exactly_zero(value):
 def test_rloo_bad_group_size_raises(group_size):
     with pytest.raises(ValueError, match="groups of"):
         rloo_advantages(torch.zeros(4), group_size)
-
-
-def test_registry_has_rloo():
-    assert ADVANTAGE_ESTIMATORS["rloo"] is rloo_advantages
 
 
 # ---- whiten -----------------------------------------------------------------------------------
@@ -306,3 +300,62 @@ def test_gae_undiscounted_with_zero_values_is_reward_to_go():
                  for t, m in enumerate(row_mask)] for row, row_mask in zip(rewards.tolist(), MASK.tolist())]
     torch.testing.assert_close(advantages, torch.tensor(expected), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(returns, advantages)
+
+
+# ---- the same estimators over data-parallel shards (each worker holds a slice of the batch) -------
+def run_sharded(fn, shards: list) -> list:
+    """fn(shard, reduce) on each shard in its own thread, as on data-parallel workers: reduce(t, op)
+    combines t over every shard (all of them call it in the same order, like an all-reduce)."""
+    barrier, slots, results = threading.Barrier(len(shards)), [None] * len(shards), [None] * len(shards)
+    ops = {"sum": lambda ts: sum(ts[1:], ts[0]), "min": lambda ts: torch.stack(ts).amin(),
+           "max": lambda ts: torch.stack(ts).amax()}
+
+    def reduce_for(i):
+        def reduce(tensor, op):
+            slots[i] = tensor
+            barrier.wait()
+            combined = ops[op](list(slots))
+            barrier.wait()
+            return combined
+        return reduce
+
+    def work(i):
+        results[i] = fn(shards[i], reduce_for(i))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(shards))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_whiten_over_shards_equals_whiten_of_the_whole_batch():
+    values, mask = torch.randn(8, 6, generator=torch.Generator().manual_seed(3)), torch.ones(8, 6)
+    mask[1, 4:] = 0
+    mask[5, :] = 0
+    whole = whiten(values, mask)
+    parts = run_sharded(lambda shard, reduce: whiten(shard[0], shard[1], reduce=reduce),
+                        list(zip(values.split(2), mask.split(2))))
+    torch.testing.assert_close(torch.cat(parts), whole)
+
+
+def test_reinforce_pp_over_shards_equals_the_whole_batch():
+    g = torch.Generator().manual_seed(4)
+    rewards, kl, mask = torch.rand(8, generator=g), torch.randn(8, 5, generator=g), torch.ones(8, 5)
+    mask[2, 3:] = 0
+    whole = reinforce_pp_advantages(rewards, mask, kl, 0.1)
+    parts = run_sharded(lambda s, reduce: reinforce_pp_advantages(s[0], s[1], s[2], 0.1, reduce=reduce),
+                        list(zip(rewards.split(4), mask.split(4), kl.split(4))))
+    torch.testing.assert_close(torch.cat(parts), whole)
+
+
+def test_explained_variance_over_shards_equals_the_whole_batch():
+    g = torch.Generator().manual_seed(5)
+    values, returns, mask = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g), torch.ones(6, 4)
+    whole = explained_variance(values, returns, mask)
+    m = mask.bool()
+    assert whole == pytest.approx(1 - ((returns[m] - values[m]).var() / returns[m].var()).item(), rel=1e-6)
+    parts = run_sharded(lambda s, reduce: explained_variance(s[0], s[1], s[2], reduce),
+                        list(zip(values.split(3), returns.split(3), mask.split(3))))
+    assert parts == [pytest.approx(whole, rel=1e-9)] * 2  # two shards of 3 rows

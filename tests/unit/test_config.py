@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from rlkit.cli import main
-from rlkit.config.load import CONFIG_GROUPS_DIR, RECIPES_DIR, ConfigError, load_config
-from rlkit.config.schema import RootConfig
+from rlkit.algorithms.registry import load_algorithm
+from rlkit.config.schema import ConfigError, RootConfig
+from rlkit.launch.config import CONFIG_GROUPS_DIR, RECIPES_DIR, load_config
 
 RECIPE = "grpo_tiny_cpu"  # defaults: DP=2 (2 workers, TP=PP=1), micro-batch 16, global batch 128,
 # rollout 32 prompts x 8 samples = 256, warm start 40 SFT steps of 64 samples, tiny://qwen2 (4 heads / 2 KV heads)
@@ -210,11 +211,10 @@ def test_algorithm_family_errors_name_key_and_fix(recipe, overrides, key, fragme
 
 def test_algorithm_group_selects_its_schema():
     """`algorithm=` picks the family; each gets its own typed section and no other family's keys."""
-    from rlkit.config.schema import ALGORITHMS
     for name, recipe in [("grpo", RECIPE), ("rloo", "rloo_tiny_cpu"), ("reinforce_pp", "reinforce_pp_tiny_cpu"),
                          ("ppo", "ppo_tiny_cpu"), ("sft", "sft_tiny_cpu"), ("dpo", "dpo_tiny_cpu")]:
         cfg, _ = load_config(recipe, [])
-        assert cfg.algorithm.name == name and type(cfg.algorithm) is ALGORITHMS[name]
+        assert cfg.algorithm.name == name and type(cfg.algorithm) is load_algorithm(name).config
     sft, _ = load_config("sft_tiny_cpu", [])
     assert sft.generation is None and sft.env is None and sft.data.pack is True
 

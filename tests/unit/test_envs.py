@@ -7,7 +7,7 @@ import pytest
 
 from rlkit.envs.arithmetic import ArithmeticEnv, GuessSumEnv
 from rlkit.envs.base import EnvStep, MalformedStepError, as_env_step, check_environment_config, load_environment
-from rlkit.envs.math import MathEnv, answers_match, extract_answer, normalize
+from rlkit.envs.math_answers import MathEnv, answers_match, extract_answer, normalize
 from rlkit.envs.runner import safe_step
 
 
@@ -75,9 +75,9 @@ def test_numbers_become_final_steps():
 def test_config_checks_name_the_key():
     assert check_environment_config("rlkit.envs.arithmetic.ArithmeticEnv", {"correct_reward": 2.0}) is None
     assert check_environment_config("rlkit.envs.arithmetic.ArithmeticEnv", {"bonus": 1}).startswith("env.bonus:")
-    assert check_environment_config("rlkit.envs.math.answers_match", {}) is None  # (response, metadata)
-    assert check_environment_config("rlkit.envs.math.extract_answer", {}).startswith("env._target_:")  # 1 arg
-    assert check_environment_config("rlkit.envs.math.answers_match", {"x": 1}).startswith("env.x:")
+    assert check_environment_config("rlkit.envs.math_answers.answers_match", {}) is None  # (response, metadata)
+    assert check_environment_config("rlkit.envs.math_answers.extract_answer", {}).startswith("env._target_:")  # 1 arg
+    assert check_environment_config("rlkit.envs.math_answers.answers_match", {"x": 1}).startswith("env.x:")
     assert "cannot import" in check_environment_config("no_such_module.Env", {})
 
 

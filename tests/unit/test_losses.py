@@ -5,9 +5,11 @@ import math
 import pytest
 import torch
 
-from rlkit.algorithms.losses import (DPO_LOSS_TYPES, LOSS_AGGREGATIONS, BatchTotals, ClippedPolicyLossConfig,
-                                     DPOLossConfig, aggregate, batch_totals, clipped_policy_loss, dpo_loss,
-                                     entropy_from_logits, kl_k3, nll_loss, sequence_logprobs, value_loss)
+from rlkit.algorithms.losses import (DPO_LOSS_TYPES, LOSS_AGGREGATIONS, ClippedPolicyLossConfig, DPOLossConfig,
+                                     aggregate, clipped_policy_loss, dpo_loss, kl_k3, nll_loss, sequence_logprobs,
+                                     value_loss)
+from rlkit.data.batch import BatchTotals, batch_totals
+from rlkit.workers.policy.megatron import entropy_from_logits
 from token_masks import MASK, with_garbage
 
 

@@ -5,10 +5,10 @@ import math
 
 import torch
 
-from rlkit.algorithms.losses import BatchTotals, DPOLossConfig
+from rlkit.algorithms.losses import DPOLossConfig
 from rlkit.algorithms.objectives import DirectPreference
 from rlkit.algorithms.advantages import explained_variance, token_rewards
-from rlkit.data.batch import Batch
+from rlkit.data.batch import Batch, BatchTotals
 
 
 def _pairs_batch(num_pairs: int, filler_pairs: int, seq: int = 6):

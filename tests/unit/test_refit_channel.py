@@ -1,4 +1,4 @@
-"""The refit channel and its standing receivers: refits started by the sender are served and
+"""The refit channel and the receiver threads it serves: refits started by the sender are served and
 reported; a failure is one error naming the receiver, after which it connects again; a
 stranger, a silent peer and a vanished peer are each one error that says what happened, never
 a hang. (The GPU transports that run over it are tested in tests/gpu.)"""
@@ -7,13 +7,13 @@ import threading
 
 import pytest
 
-from rlkit.refit.channel import ChannelServer, StandingReceiver, connect
+from rlkit.refit.channel import ChannelServer, ChannelThread, connect_to_sender
 from rlkit.refit.plan import RefitPlan
 
 PLAN = RefitPlan.build([("w", (2, 2), "float32")], 1 << 20)
 
 
-def _stop(server: ChannelServer, receivers: list[StandingReceiver]):
+def _stop(server: ChannelServer, receivers: list[ChannelThread]):
     server.close()  # receivers are told the channel is closed for good, and end
     for receiver in receivers:
         receiver.thread.join(timeout=10)
@@ -30,9 +30,9 @@ def test_standing_receivers_serve_each_refit_and_the_plan_travels_once():
         return {"payload": payload}
 
     server = ChannelServer(receivers=2, timeout_s=10)
-    receivers = [StandingReceiver(server.address, f"generation worker {i}", serve, None, 10) for i in range(2)]
+    receivers = [ChannelThread(server.address, f"generation worker {i}", serve, None, 10) for i in range(2)]
     for refit in (1, 2):
-        server.connect()
+        server.accept_receivers()
         channels = server.begin(PLAN, verify=False)
         for channel in channels:
             channel.send(refit)
@@ -54,16 +54,16 @@ def test_a_failed_refit_names_the_receiver_and_it_connects_again():
         return {"loaded": True}
 
     server = ChannelServer(receivers=1, timeout_s=10)
-    receiver = StandingReceiver(server.address, "generation worker 0", serve, None, 10)
-    assert server.connect()
+    receiver = ChannelThread(server.address, "generation worker 0", serve, None, 10)
+    assert server.accept_receivers()
     server.begin(PLAN, verify=True)
     with pytest.raises(RuntimeError, match="generation worker 0 failed: ValueError: bucket 3 failed its checksum"):
         server.finish()
     server.abort()
-    assert server.connect()  # the receiver came back on a fresh connection
+    assert server.accept_receivers()  # the receiver came back on a fresh connection
     server.begin(PLAN, verify=False)
     assert server.finish() == [{"loaded": True}]
-    assert not server.connect()
+    assert not server.accept_receivers()
     server._channels[0].send("not a refit")  # a protocol error is reported like any other
     with pytest.raises(RuntimeError, match="generation worker 0 failed: RuntimeError: refit: expected the start of a "
                                            "refit, got 'not a refit'"):
@@ -74,9 +74,9 @@ def test_a_failed_refit_names_the_receiver_and_it_connects_again():
 def test_a_connection_without_the_token_is_refused_and_the_receiver_still_accepted():
     server = ChannelServer(receivers=1, timeout_s=5)
     host, port, _ = server.address
-    stranger = connect((host, port, b"not the token"), "a stale receiver", 5)
-    receiver = StandingReceiver(server.address, "generation worker 0", lambda channel, plan, start: {"ok": 1}, None, 5)
-    assert server.connect()
+    stranger = connect_to_sender((host, port, b"not the token"), "a stale receiver", 5)
+    receiver = ChannelThread(server.address, "generation worker 0", lambda channel, plan, start: {"ok": 1}, None, 5)
+    assert server.accept_receivers()
     assert [c.peer for c in server._channels] == ["generation worker 0"]
     with pytest.raises(RuntimeError, match="went away"):
         stranger.receive("anything")  # its connection was closed
@@ -87,9 +87,9 @@ def test_a_connection_without_the_token_is_refused_and_the_receiver_still_accept
 
 def test_only_strangers_is_a_timeout_that_says_so():
     server = ChannelServer(receivers=1, timeout_s=0.3)
-    stranger = connect(server.address[:2] + (b"not the token",), "a stale receiver", 5)
+    stranger = connect_to_sender(server.address[:2] + (b"not the token",), "a stale receiver", 5)
     with pytest.raises(RuntimeError, match=r"no generation worker connected .* \(refused 1 connection\(s\) without"):
-        server.connect()
+        server.accept_receivers()
     stranger.close()
     server.close()
 
@@ -97,7 +97,7 @@ def test_only_strangers_is_a_timeout_that_says_so():
 def test_no_receiver_is_a_timeout_not_a_hang():
     server = ChannelServer(receivers=1, timeout_s=0.2)
     with pytest.raises(RuntimeError, match="no generation worker connected"):
-        server.connect()
+        server.accept_receivers()
     server.close()
 
 
@@ -109,8 +109,8 @@ def test_a_silent_receiver_is_named_and_its_late_report_still_lands():
         return {"late": True}
 
     server = ChannelServer(receivers=1, timeout_s=0.3)
-    receiver = StandingReceiver(server.address, "generation worker 5", stuck, None, 0.3)
-    server.connect()
+    receiver = ChannelThread(server.address, "generation worker 5", stuck, None, 0.3)
+    server.accept_receivers()
     server.begin(PLAN, verify=False)
     with pytest.raises(RuntimeError, match="generation worker 5 sent nothing for 0s while this side waited for its "
                                            "report of the refit; it is dead or stuck"):
@@ -122,8 +122,8 @@ def test_a_silent_receiver_is_named_and_its_late_report_still_lands():
 
 def test_a_vanished_receiver_is_named():
     server = ChannelServer(receivers=1, timeout_s=5)
-    peer = connect(server.address, "generation worker 2", 5)
-    server.connect()
+    peer = connect_to_sender(server.address, "generation worker 2", 5)
+    server.accept_receivers()
     peer.close()
     with pytest.raises(RuntimeError, match="generation worker 2 went away while this side waited for its report"):
         server.finish()
@@ -136,8 +136,8 @@ def test_both_ends_send_small_messages_without_delay():
     import socket
 
     server = ChannelServer(receivers=1, timeout_s=5)
-    peer = connect(server.address, "generation worker 0", 5)
-    server.connect()
+    peer = connect_to_sender(server.address, "generation worker 0", 5)
+    server.accept_receivers()
     for channel in (server._channels[0], peer):
         sock = socket.socket(fileno=channel.conn.fileno())
         try:

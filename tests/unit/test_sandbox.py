@@ -3,7 +3,7 @@
 import socket
 import time
 
-from rlkit.envs.code import CodeExecutionEnv, extract_program
+from rlkit.envs.code_execution import CodeExecutionEnv, extract_program
 from rlkit.envs.sandbox import SandboxLimits, run_python
 
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=256)

@@ -2,8 +2,10 @@
 
 import torch
 
-from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan, bucket_checksum
-from rlkit.workers.generation.base import Generations, GenerationWorker, SamplingParams
+from rlkit.data.generation import Generations, SamplingParams
+from rlkit.refit.plan import PackedBucket, RefitPlan, bucket_checksum
+from rlkit.refit.receiver import ObjectStoreReceiver
+from rlkit.workers.generation.base import GenerationWorker
 
 
 class HFGenerationWorker(GenerationWorker):
@@ -20,8 +22,7 @@ class HFGenerationWorker(GenerationWorker):
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self._params = dict(self.model.named_parameters())  # tied weights appear once, as the exporter sends them
-        self._plan: RefitPlan | None = None
-        self._pending: set[int] = set()
+        self.receiver = ObjectStoreReceiver(self._params, f"generation worker {rank}")
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations:
@@ -50,31 +51,15 @@ class HFGenerationWorker(GenerationWorker):
             token_lps.append(lps[:length])
         return Generations(token_ids, token_lps)
 
+    # the object-store refit, one Ray call per bucket (rlkit/refit/driver.py drives it)
     def begin_refit(self, plan: RefitPlan, verify_checksums: bool) -> None:
-        expected = {n: tuple(p.shape) for n, p in self._params.items()}
-        planned = {s.name: s.shape for b in plan.buckets for s in b.slots}
-        missing = sorted(set(expected) - set(planned))
-        unknown = sorted(set(planned) - set(expected))
-        wrong = sorted(n for n in set(planned) & set(expected) if planned[n] != expected[n])
-        if missing or unknown or wrong:
-            raise RefitIntegrityError(
-                f"refit plan does not match generation worker {self.rank}'s model: missing={missing[:5]} "
-                f"unknown={unknown[:5]} shape-mismatch={wrong[:5]}")
-        self._plan, self._verify = plan, verify_checksums
-        self._pending = set(range(len(plan.buckets)))
+        self.receiver.begin(plan, verify_checksums)
 
-    @torch.no_grad()
     def load_bucket(self, packed: PackedBucket) -> None:
-        for name, tensor in self._plan.unpack(packed, verify=self._verify):
-            self._params[name].copy_(tensor)
-        self._pending.discard(packed.index)
+        self.receiver.load(packed)
 
     def end_refit(self) -> dict:
-        if self._pending:
-            raise RefitIntegrityError(f"refit incomplete on generation worker {self.rank}: buckets "
-                                      f"{sorted(self._pending)} never arrived")
-        self._plan = None
-        return {}
+        return self.receiver.end()
 
     def weights(self) -> dict:
         """HF-named tensors as this worker holds them (tests compare them bit for bit)."""

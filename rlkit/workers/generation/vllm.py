@@ -11,8 +11,8 @@ import os
 import pickle
 
 from rlkit.config.schema import GenerationConfig
-from rlkit.refit.plan import PackedBucket, RefitPlan
-from rlkit.workers.generation.base import Generations, GenerationWorker, SamplingParams
+from rlkit.data.generation import Generations, SamplingParams
+from rlkit.workers.generation.base import GenerationWorker
 
 
 class VLLMGenerationWorker(GenerationWorker):
@@ -60,26 +60,18 @@ class VLLMGenerationWorker(GenerationWorker):
         # pickled by hand: vLLM's msgspec RPC would turn dataclasses such as the plan into dicts
         return self.llm.collective_rpc(method, args=(pickle.dumps(args),))
 
-    def begin_refit(self, plan: RefitPlan, verify_checksums: bool) -> None:
-        raise _object_store_unsupported()
-
-    def load_bucket(self, packed: PackedBucket) -> None:
-        raise _object_store_unsupported()
-
-    def end_refit(self) -> dict:
-        raise _object_store_unsupported()
-
     def start_refit_receiver(self, transport: str, address: tuple, timeout_s: float) -> None:
         """Each vLLM worker process of this engine serves refits from the policy rank at
-        `address` from now on (rlkit/refit/channel.py)."""
+        `address` from now on (rlkit/refit/receiver.py)."""
         self._rpc("rlkit_start_refit_receiver", transport, address, f"generation worker {self.rank}", timeout_s)
 
     def weights_changing(self) -> None:
         """A refit is under way (its bytes bypass this actor): the prefix cache is stale."""
         self._prefix_cache_stale = True
 
-    def init_refit_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        self._rpc("rlkit_init_refit_group", host, port, world_size, 1 + self.rank, timeout_s)
+    def join_refit_communicator(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        """nccl: this engine is rank 1 + its index in a communicator with policy rank 0."""
+        self._rpc("rlkit_join_refit_communicator", host, port, world_size, 1 + self.rank, timeout_s)
 
     def weight_checksums(self) -> dict[str, int]:
         return self._rpc("rlkit_param_checksums")[0]
@@ -95,7 +87,3 @@ class VLLMGenerationWorker(GenerationWorker):
             self.llm.wake_up(tags=tags)
             self._asleep_tags -= set(tags)
 
-
-def _object_store_unsupported() -> NotImplementedError:
-    return NotImplementedError("vLLM workers receive weights through refit.transport=cuda_ipc or nccl, not the CPU "
-                               "object store; set refit.transport accordingly")

@@ -3,23 +3,26 @@
 value head, its trunk initialised from the policy checkpoint).
 
 Each call that takes a Batch receives this rank's DP shard; the controller gathers results
-from the output ranks (TP rank 0 on the last pipeline stage) of each DP group.
+from the output ranks (TP rank 0 on the last pipeline stage) of each DP group. A step's rollout
+is held here (hold): logprobs, values and token-level advantages are computed into the held
+shard where it lives, and training reads it, so token tensors cross the controller once.
 """
 
 import os
-import time
 from datetime import timedelta
 from functools import partial
 from typing import Callable, Iterator
 
+import ray
 import torch
 import torch.distributed as dist
 
-from rlkit.algorithms.losses import BatchTotals, entropy_from_logits
 from rlkit.config.schema import PolicyConfig
-from rlkit.data.batch import Batch
+from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.packing import packed_attention_mask
+from rlkit.observability.logprob_agreement import agreement_sums
 from rlkit.refit.plan import PackedBucket, RefitPlan
+from rlkit.refit.sender import RefitSender, sending_half
 
 ON_GPU = torch.cuda.is_available()
 # The distributed optimizer's state in a canonical per-parameter layout, so a checkpoint loads at
@@ -60,16 +63,8 @@ class MegatronModelWorker:
         else:
             self.bridge.load_hf_weights(self.model)
         self.offloaded = None  # CPU copies of what sleep() moved off the GPU
-        self._row_export = None  # set by refit_manifest where refits can copy rows directly
-        # a direct export's packing copies per (bucket, buffer address, size), for one plan: the
-        # GPU transports pack into the same two buffers at every refit
-        self._pack_copies: dict[tuple[int, int, int], tuple[list, list]] = {}
-        self._refit_server = None  # the refit channel's listening end (rlkit/refit/channel.py)
-        self._ipc = None  # cuda_ipc's slots on this GPU
-        self._refit_group = None  # nccl's communicator with the generation workers
-        self._plan = self._sources = None  # of the refit in progress (or the last one)
-        # of the last refit (export_stats); ranks that skip a refit's export report zeros
-        self._export_seconds = {"export": 0.0, "pack": 0.0}
+        self.refit_sender = RefitSender(self)  # this rank's half of refit (policy only)
+        self.held: Batch | None = None  # this rank's shard of the step's rollout
         # built at the first train() call: inference-only uses (verify-refit, benchmarks) never
         # pay for fp32 main weights and Adam state
         self.optimizer = None
@@ -96,7 +91,7 @@ class MegatronModelWorker:
         m = self.mpu
         return {"rank": self.rank, "tp": m.get_tensor_model_parallel_rank(),
                 "pp": m.get_pipeline_model_parallel_rank(), "dp": m.get_data_parallel_rank(),
-                "is_output": m.get_tensor_model_parallel_rank() == 0 and m.is_pipeline_last_stage()}
+                "is_output": self._is_output()}
 
     def reset_optimizer(self):
         """Drop optimizer state (rebuilt fresh at the next train step), e.g. between a warm start
@@ -255,6 +250,8 @@ class MegatronModelWorker:
         """One optimizer step over this rank's shard of a mini-batch, minimising
         objective(head output, micro_batch, totals) (see algorithms/objectives.py). Returns summed
         metrics on output ranks (None elsewhere); the controller sums them across DP ranks."""
+        if self.mpu.is_pipeline_last_stage():  # where the loss is computed: exactly what it declares
+            batch = batch.select(*[k for k in MODEL_INPUTS if k in batch], *objective.fields)
         num_micro = max(len(batch) // self.cfg.micro_batch_size, 1)
         # Megatron divides each micro-batch loss by num_micro and DDP averages over DP; our losses
         # are already exact shares of the global batch loss, so undo both scalings.
@@ -286,152 +283,103 @@ class MegatronModelWorker:
         metrics["grad_norm"] = float(grad_norm)
         return metrics
 
-    # ---- weights out -------------------------------------------------------------------
-    def refit_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
-        """(hf_name, shape, dtype) in export order. Collective: call on every rank. Also settles how
-        later refits export: straight from the parameters' rows where the bridge's conversion only
-        moves rows (checked here, tensor by tensor, against this very export), else through the
-        bridge, whose per-tensor gathers and name broadcasts cost far more than the copies."""
+    # ---- the step's rollout, held where it is used ------------------------------------
+    def hold(self, shard: Batch) -> None:
+        """Keep this rank's DP shard of the step's rollout; the calls below read and extend it."""
+        self.held = shard
+
+    def extend_held(self, fields: Batch) -> None:
+        """Add fields (one per sample of the held shard, e.g. advantages) to the held shard."""
+        self.held = self.held.with_fields(**fields.tensors)
+
+    def export_held(self, names: list[str]) -> list | None:
+        """Output ranks: [an object ref to the held shard's `names`], for another worker group
+        (PPO: the policy's logprobs for the critic, its advantages back); the bytes go through
+        the object store, not the controller."""
+        return [ray.put(self.held.select(*names))] if self._is_output() else None
+
+    def forward_held(self, into: str, reference: bool = False) -> dict | None:
+        """Head outputs of the held rows (policy: logprobs, critic: values) from the model, or the
+        frozen reference, stored as field `into` where they are computed (the last pipeline
+        stage). Returns, from output ranks, the agreement sums of these logprobs with the
+        sampler's when the held rows carry them (rlkit/observability/logprob_agreement.py)."""
+        if reference and self.reference is None:
+            raise RuntimeError("forward_held(reference=True) called before init_reference")
+        output = self._forward_with(self.held, self.reference if reference else self.model)
+        if output is None:
+            return None
+        self.held = self.held.with_fields(**{into: output})
+        if reference or self.head != "lm" or "generation_logprobs" not in self.held:
+            return {}
+        return agreement_sums(output, self.held["generation_logprobs"], self.held["response_mask"])
+
+    def estimate_held(self, rewards: torch.Tensor, estimator: Callable) -> dict | None:
+        """Token-level advantages where the data is (rewards: this shard's, per sample):
+        estimator(held, rewards, reduce) returns new fields (stored) and metric sums (returned
+        from output ranks); reduce(tensor, op) combines a statistic over this rank's
+        data-parallel group, so whitening sees the whole batch. Runs on the ranks that hold the
+        estimator's inputs (the last pipeline stage)."""
+        if not all(k in self.held for k in estimator.fields):
+            return None
+        fields, sums = estimator(self.held, rewards, self._reduce_over_data_parallel)
+        self.held = self.held.with_fields(**fields)
+        return sums if self._is_output() else None
+
+    def train_held(self, part: int, parts: int, totals: BatchTotals, objective: Callable) -> dict | None:
+        """One optimizer step on part `part` of `parts` equal slices of the held shard."""
+        return self.train(self.held.split(parts)[part], totals, objective)
+
+    def evaluate_held(self, totals: BatchTotals, objective: Callable) -> dict | None:
+        """The objective's loss and sums on the held rows, without a step (validation); from
+        output ranks, summed over micro-batches (each is its exact share of the whole)."""
+        def loss_fn(output, micro_batch):
+            value, sums = objective(self._head_output(output, micro_batch["input_ids"]), micro_batch, totals)
+            return value, {"loss": value.item(), **{k: v.item() for k, v in sums.items()}}
+
         self.wake()
-        rows = self.bridge.export_rows(self.model)
-        sources = rows.sources() if rows is not None else {}
-        manifest = []
-        for name, tensor in self.bridge.export_hf_weights(self.model):
-            manifest.append((name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
-            if rows is not None and not _assembles(sources.get(name), tensor):
-                rows = None
-        self._row_export = rows if rows is not None and set(rows.names) == {m[0] for m in manifest} else None
-        if self.rank == 0:
-            print(f"[{self.name}] refit export: " + ("direct row copies from the parameters"
-                                                    if self._row_export is not None else "through the bridge"), flush=True)
-        return manifest
+        for chunk in self.model:
+            chunk.eval()
+        with torch.no_grad():
+            outputs = self._run(self.held, self.model, loss_fn, forward_only=True)
+        return {k: sum(o[k] for o in outputs) for k in outputs[0]} if outputs and self._is_output() else None
+
+    def _is_output(self) -> bool:
+        return self.mpu.get_tensor_model_parallel_rank() == 0 and self.mpu.is_pipeline_last_stage()
+
+    def _reduce_over_data_parallel(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        if self.mpu.get_data_parallel_world_size() == 1:
+            return tensor
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        on_device = tensor.to(torch.cuda.current_device() if ON_GPU else "cpu", copy=True)
+        dist.all_reduce(on_device, op=ops[op], group=self.mpu.get_data_parallel_group())
+        return on_device.to(tensor.device)
+
+    # ---- weights out: this rank's half of refit (rlkit/refit/sender.py) ------------------
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The bridge's HF-named export stream (the sender's export interface). Collective."""
+        return self.bridge.export_hf_weights(self.model)
+
+    def export_rows(self):
+        return self.bridge.export_rows(self.model)
+
+    def refit_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return self.refit_sender.manifest()
 
     def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool) -> Iterator[PackedBucket]:
-        """Every bucket, in plan order, each yielded as soon as it is packed: the CPU transport
-        streams them through Ray. Through the bridge the export is collective: every rank
-        iterates it, only rank 0 yields buckets (so the other ranks of an nccl refit run it to
-        join the collectives)."""
-        if self.rank != 0 and self._row_export is not None:
-            return
-        self._begin_export(plan)
-        for _ in plan.buckets:
-            packed = self._pack_next(with_checksum)
-            if self.rank == 0:
-                yield packed
-        self._end_export()
+        yield from self.refit_sender.stream_buckets(plan, with_checksum)
 
-    # Every transport's export: _begin_export, _pack_next once per bucket, _end_export. Through
-    # the bridge the export is collective (every rank packs), buckets fill in export order, and
-    # the plan is checked against what the bridge actually yields.
-    def _begin_export(self, plan: RefitPlan):
-        self.wake()
-        start = time.perf_counter()
-        self._next_bucket = 0
-        self._exported = None if self._row_export is not None else self.bridge.export_hf_weights(self.model)
-        sources = self._row_export.sources() if self._row_export is not None else None
-        if sources is not self._sources or plan != self._plan:
-            self._pack_copies = {}  # kept copies hold for one plan and one set of parameter views
-        self._plan, self._sources = plan, sources
-        # host seconds in the export and in packing (kernels may still run after them): where a
-        # refit's time goes on the sending side
-        self._export_seconds = {"export": time.perf_counter() - start, "pack": 0.0}
+    def join_refit_communicator(self, host: str, port: int, world_size: int, timeout_s: float):
+        self.refit_sender.join_communicator(host, port, world_size, timeout_s)
 
-    def _pack_next(self, with_checksum: bool, out: torch.Tensor | None = None) -> PackedBucket:
-        """The next bucket, packed into `out` (a buffer the transport keeps) or a new buffer."""
-        bucket = self._plan.buckets[self._next_bucket]
-        self._next_bucket += 1
-        start = time.perf_counter()
-        if self._exported is None:
-            sources = self._sources  # views of the parameters; packing reads this bucket's tensors only
-        else:
-            tensors = dict(next(self._exported) for _ in bucket.slots)  # the plan follows export order
-            expected = {s.name for s in bucket.slots}
-            if set(tensors) != expected:
-                raise RuntimeError(f"refit: export order differs from the plan at {bucket.describe()}: got "
-                                   f"{sorted(set(tensors) - expected)[:3]}; rebuild the plan")
-            sources = {name: [(tensor, 0)] for name, tensor in tensors.items()}
-        exported = time.perf_counter()
-        if self._exported is None and out is not None:  # kept views into a kept buffer: keep the copies too
-            key = (bucket.index, out.data_ptr(), out.numel())
-            if key not in self._pack_copies:
-                self._pack_copies[key] = self._plan.copies(bucket.index, sources, out[:bucket.nbytes])
-            packed = self._plan.pack_copies(bucket.index, out[:bucket.nbytes], self._pack_copies[key], with_checksum)
-        else:
-            packed = self._plan.pack(bucket.index, sources, with_checksum, out)
-        self._export_seconds["export"] += exported - start
-        self._export_seconds["pack"] += time.perf_counter() - exported
-        return packed
+    def open_refit_channel(self, transport: str, receivers: int, timeout_s: float) -> tuple:
+        half = sending_half(transport, self.refit_sender.communicator)
+        return self.refit_sender.open_channel(half, receivers, timeout_s)
 
-    def _end_export(self):
-        if self._exported is not None and next(self._exported, None) is not None:
-            raise RuntimeError("refit: the export has more tensors than the plan; rebuild the plan")
-        self._exported = None
+    def send_refit(self, plan: RefitPlan, with_checksum: bool) -> dict:
+        return self.refit_sender.send(plan, with_checksum)
 
-    def export_stats(self) -> dict:
-        """Host seconds the last refit export spent exporting and packing, and whether it copied
-        parameter rows directly (else it went through the bridge)."""
-        return {**self._export_seconds, "direct": self._row_export is not None}
-
-    def open_refit_channel(self, receivers: int, timeout_s: float) -> tuple:
-        """Listen for the standing receivers of `receivers` generation workers (cuda_ipc: the one
-        on this GPU; nccl, on rank 0: all of them); returns the address they connect to."""
-        from rlkit.refit.channel import ChannelServer
-        if self._refit_server is not None:
-            self._refit_server.close()
-        self._refit_server = ChannelServer(receivers, timeout_s)
-        return self._refit_server.address
-
-    def send_ipc_refit(self, plan: RefitPlan, with_checksum: bool) -> dict:
-        """The cuda_ipc transport: every bucket through two IPC-shared slots on this GPU to the
-        generation worker beside it."""
-        from rlkit.refit.cuda_ipc import IpcSender
-
-        ipc = self._ipc = self._ipc or IpcSender()
-        return self._send_refit(plan, with_checksum, lambda fresh: ipc.prepare(plan, fresh),
-                                lambda channels, pack: ipc.send(channels[0], plan, pack))
-
-    def init_refit_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
-        from rlkit.refit.nccl_group import RefitGroup
-        self._refit_group = RefitGroup(host, port, rank, world_size, timeout_s)
-
-    def broadcast_refit(self, plan: RefitPlan, with_checksum: bool) -> dict:
-        """The nccl transport: rank 0 packs bucket k+1 while bucket k is on the wire to every
-        generation worker. Other ranks take part only in a bridge export's collectives."""
-        if self.rank != 0:
-            for _ in self.stream_refit_buckets(plan, with_checksum):
-                pass
-            return {}
-        from rlkit.refit.channel import READY
-
-        group = self._refit_group
-
-        def setup(fresh_receivers: bool) -> None:
-            group.prepare(plan)  # before any receiver is told to start
-
-        def transfer(channels: list, pack: Callable):
-            for channel in channels:  # a receiver that cannot take part says so before any broadcast
-                channel.expect(READY, "it to be ready for the broadcasts")
-            group.send_all(plan, pack)
-
-        return self._send_refit(plan, with_checksum, setup, transfer)
-
-    def _send_refit(self, plan: RefitPlan, with_checksum: bool, setup: Callable[[bool], object],
-                    transfer: Callable[[list, Callable], None]) -> dict:
-        """One refit over this rank's channel: start it on every receiver (with setup(whether
-        they just connected), e.g. new IPC handles), run transfer(channels, pack), collect their
-        reports. On failure the channel closes, so receivers stop at once and connect again.
-        Returns the export's stats and the receivers' reports."""
-        server = self._refit_server
-        self._begin_export(plan)
-        try:
-            channels = server.begin(plan, with_checksum, setup(server.connect()))
-            transfer(channels, lambda buffer: self._pack_next(with_checksum, buffer))
-            self._end_export()
-            received = server.finish()
-        except BaseException:
-            server.abort()
-            raise
-        return {**self.export_stats(), "received": received}
+    def refit_stats(self) -> dict:
+        return self.refit_sender.stats()
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _inner_model(self):
@@ -517,9 +465,7 @@ class MegatronModelWorker:
         os._exit(0)
 
 
-def _assembles(pieces: list | None, tensor: torch.Tensor) -> bool:
-    """Whether the (rows, first row) pieces put together equal `tensor`, bit for bit."""
-    if not pieces:
-        return False
-    rows = torch.cat([p.reshape(-1) for p, _ in sorted(pieces, key=lambda piece: piece[1])])
-    return rows.dtype == tensor.dtype and rows.numel() == tensor.numel() and torch.equal(rows, tensor.reshape(-1))
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy of softmax(logits) over the last dim."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from rlkit.refit.channel import Channel, wait_event
+from rlkit.refit.channel import Channel, RefitStart, wait_event
 from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan
 
 SLOTS = 2
@@ -31,13 +31,13 @@ class IpcSender:
         self._retired: tuple[list[torch.Tensor], list[torch.cuda.Event]] = ([], [])
         self._shared = False  # prepare() shared the slots anew: the receiver answers with its events
 
-    def prepare(self, plan: RefitPlan, fresh_receiver: bool) -> tuple | None:
+    def prepare(self, plan: RefitPlan, fresh_receivers: bool) -> tuple | None:
         """Slot and event handles to send with the refit's start when the slots are new (first
         refit, a plan with larger buckets, or a receiver that connected again); else None."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         largest = max(b.nbytes for b in plan.buckets)
-        self._shared = not self.slots or self.slots[0].numel() < largest or fresh_receiver
+        self._shared = not self.slots or self.slots[0].numel() < largest or fresh_receivers
         if not self._shared:
             return None
         if not self.slots or self.slots[0].numel() < largest:
@@ -46,9 +46,10 @@ class IpcSender:
             self.packed_events = [torch.cuda.Event(interprocess=True) for _ in range(SLOTS)]
         return [reduce_tensor(s)[1] for s in self.slots], [e.ipc_handle() for e in self.packed_events]
 
-    def send(self, channel: Channel, plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket]):
-        """pack(slot) packs the next bucket into slot. Returns once the receiver has loaded every
-        bucket (its report follows on the channel)."""
+    def send(self, channels: list[Channel], plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket]):
+        """pack(slot) packs the next bucket into slot. Returns once the receiver (the one beside
+        this GPU) has loaded every bucket (its report follows on the channel)."""
+        channel, = channels
         stream = torch.cuda.current_stream()
         if self._shared:
             handles = channel.receive("its events for the new slots")
@@ -77,10 +78,11 @@ class IpcReceiver:
         self.packed_events: list[torch.cuda.Event] = []
         self.loaded_events: list[torch.cuda.Event] = []
 
-    def receive(self, channel: Channel, plan: RefitPlan, setup: tuple | None, load: Callable[[PackedBucket], None]):
+    def receive(self, channel: Channel, plan: RefitPlan, start: RefitStart, load: Callable[[PackedBucket], None]):
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         stream, device = torch.cuda.current_stream(), torch.cuda.current_device()
+        setup = start.setup
         if setup is not None:  # new slots: map them (dropping the old mappings) and answer with our events
             slot_handles, event_handles = setup
             self.slots = [rebuild_cuda_tensor(*_on_this_device(h, device)) for h in slot_handles]

@@ -1,4 +1,4 @@
-"""The refit communicator for the nccl transport: policy rank 0 (rank 0 here) and every
+"""The nccl transport's two halves and their communicator: policy rank 0 (rank 0 here) and every
 generation worker, outside both sides' own process groups. Built on vLLM's stateless process
 group and PyNccl so it needs no shared torch.distributed world.
 
@@ -13,11 +13,11 @@ from typing import Callable
 
 import torch
 
-from rlkit.refit.channel import wait_event
+from rlkit.refit.channel import READY, Channel, RefitStart, wait_event
 from rlkit.refit.plan import PackedBucket, RefitPlan
 
 
-class RefitGroup:
+class RefitCommunicator:
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0):
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
@@ -110,3 +110,31 @@ class RefitGroup:
             raise
         if failure is not None:
             raise failure
+
+
+class NcclSender:
+    """Policy rank 0's half: every receiver says it is ready (buffers held, loader set up)
+    before the first broadcast, so one that cannot take part fails the refit at once."""
+
+    def __init__(self, communicator: RefitCommunicator):
+        self.communicator = communicator
+
+    def prepare(self, plan: RefitPlan, fresh_receivers: bool) -> None:
+        self.communicator.prepare(plan)  # before any receiver is told to start
+
+    def send(self, channels: list[Channel], plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket]):
+        for channel in channels:
+            channel.expect(READY, "it to be ready for the broadcasts")
+        self.communicator.send_all(plan, pack)
+
+
+class NcclReceiver:
+    """A generation worker's half."""
+
+    def __init__(self, communicator: RefitCommunicator):
+        self.communicator = communicator
+
+    def receive(self, channel: Channel, plan: RefitPlan, start: RefitStart, load: Callable[[PackedBucket], None]):
+        self.communicator.prepare(plan)
+        channel.send(READY)  # the sender broadcasts only once every receiver got this far
+        self.communicator.receive_all(plan, load, start.verify)

@@ -1,4 +1,5 @@
-"""Compose a recipe with Hydra, check it against the schema, then check cross-key consistency.
+"""Compose a recipe with Hydra, check it against the schema, then check cross-key consistency:
+what every run needs, what runs with rollouts need, then the algorithm's own checks (its spec).
 Every problem is one ConfigError line: `key: problem (got: value); fix`."""
 
 import json
@@ -10,15 +11,16 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from rlkit.config.schema import ALGORITHMS, DATASETS, RL_ALGORITHMS, RootConfig
+from rlkit.algorithms.registry import load_algorithm
+from rlkit.cluster.placement import PLACEMENTS
+from rlkit.config.schema import DATASETS, ConfigError, RootConfig
+from rlkit.envs.base import check_environment_config
+from rlkit.models.tiny import ARCHITECTURES, TINY_HEADS, parse_tiny
+from rlkit.refit.driver import TRANSPORTS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_GROUPS_DIR = REPO_ROOT / "configs"
 RECIPES_DIR = REPO_ROOT / "recipes"
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def compose_recipe(name: str, overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> DictConfig:
@@ -38,14 +40,18 @@ def compose_recipe(name: str, overrides: list[str], recipes_dir: Path = RECIPES_
 
 def to_typed(cfg: DictConfig) -> RootConfig:
     """Merge into the schema: unknown keys, wrong types and missing values fail here. The
-    algorithm and data sections are typed by their name (algorithm.name, data.name)."""
+    algorithm section is typed by its module's spec (algorithm.name), data by data.name."""
     schema = OmegaConf.structured(RootConfig)
-    for key, choices in [("algorithm", ALGORITHMS), ("data", DATASETS)]:
-        name = OmegaConf.select(cfg, f"{key}.name")
-        if name not in choices:
-            raise ConfigError(f"{key}.name: must be one of {list(choices)} (got: {name!r}); select the config "
-                              f"group with {key}=<name>")
-        schema[key] = OmegaConf.structured(choices[name])
+    name = OmegaConf.select(cfg, "algorithm.name")
+    if not isinstance(name, str):
+        raise ConfigError(f"algorithm.name: no algorithm selected (got: {name!r}); select the config group with "
+                          f"algorithm=<name>")
+    schema["algorithm"] = OmegaConf.structured(load_algorithm(name).config)
+    name = OmegaConf.select(cfg, "data.name")
+    if name not in DATASETS:
+        raise ConfigError(f"data.name: must be one of {list(DATASETS)} (got: {name!r}); select the config group "
+                          f"with data=<name>")
+    schema["data"] = OmegaConf.structured(DATASETS[name])
     try:
         merged = OmegaConf.merge(schema, cfg)
         missing = sorted(OmegaConf.missing_keys(merged))
@@ -67,7 +73,6 @@ def _choice(key: str, value, choices):
 
 def _attention_heads(model_path: str) -> tuple[int, int] | None:
     """(attention heads, kv heads) from an HF checkpoint's config.json; None for tiny:// models."""
-    from rlkit.models.tiny import TINY_HEADS, parse_tiny
     if parse_tiny(model_path):
         return TINY_HEADS
     config_file = Path(model_path) / "config.json"
@@ -89,16 +94,16 @@ def _positive(*pairs):
 
 
 def validate(cfg: RootConfig) -> None:
-    """Cross-key checks: what every run needs, then what its algorithm family needs."""
-    from rlkit.cluster.placement import PLACEMENTS
-    from rlkit.models.tiny import ARCHITECTURES, parse_tiny
-
+    """Cross-key checks: what every run needs, what rollouts need, then the algorithm's own."""
     p, a = cfg.policy, cfg.algorithm
+    algorithm = load_algorithm(a.name)
     _choice("cluster.placement", cfg.cluster.placement, PLACEMENTS)
     _choice("policy.precision", p.precision, ("fp32", "bf16"))
-    rl = a.name in RL_ALGORITHMS
-    if rl:
+    if algorithm.rollouts:
         _validate_rollout_choices(cfg)
+    if cfg.data.name != algorithm.data:
+        raise ConfigError(f"data.name: algorithm {a.name} trains on data={algorithm.data} (got: {cfg.data.name!r}); "
+                          f"use data={algorithm.data} or a group of that kind")
     arch = parse_tiny(p.model_path)
     if p.model_path.startswith("tiny://") and arch not in ARCHITECTURES:
         raise ConfigError(f"policy.model_path: tiny model '{p.model_path}' is unknown; use one of "
@@ -119,16 +124,13 @@ def validate(cfg: RootConfig) -> None:
         raise ConfigError(f"policy.train_global_batch_size: must be divisible by DP ({dp}) x "
                           f"policy.micro_batch_size ({p.micro_batch_size}) = {dp * p.micro_batch_size} "
                           f"(got: {p.train_global_batch_size}); set it to a multiple of {dp * p.micro_batch_size}")
-    if rl:
-        _validate_rl(cfg, dp)
-    else:
-        _validate_supervised(cfg)
+    algorithm.validate(cfg, dp)
     heads, kv_heads = _attention_heads(p.model_path)
     for name, count in [("attention heads", heads), ("key/value heads", kv_heads)]:
         if count % p.tensor_parallel_size:
             raise ConfigError(f"policy.tensor_parallel_size: must divide the model's {count} {name} "
                               f"(got: {p.tensor_parallel_size}); pick a divisor of {count}")
-    if rl:
+    if algorithm.rollouts:
         _validate_rollout_transport(cfg)
     _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
     if cfg.checkpoint.save_format == "hf" and p.use_distributed_optimizer:
@@ -138,18 +140,11 @@ def validate(cfg: RootConfig) -> None:
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
         raise ConfigError(f"checkpoint.every / checkpoint.keep_last: must be >= 0 (got: {cfg.checkpoint.every}, "
                           f"{cfg.checkpoint.keep_last}); 0 means only at the end / keep all")
-    if rl:
+    if algorithm.rollouts:
         _validate_environment(cfg)
-        if a.warm_start.sft_steps > 0 and a.warm_start.batch_size % (dp * p.micro_batch_size):
-            raise ConfigError(f"algorithm.warm_start.batch_size: must be divisible by DP ({dp}) x "
-                              f"policy.micro_batch_size ({p.micro_batch_size}) (got: {a.warm_start.batch_size}); "
-                              f"set it to a multiple of {dp * p.micro_batch_size}")
 
 
 def _validate_rollout_choices(cfg: RootConfig) -> None:
-    from rlkit.algorithms.losses import LOSS_AGGREGATIONS
-    from rlkit.refit.transports import TRANSPORTS
-
     for section in ("generation", "refit", "env", "env_runner"):
         if getattr(cfg, section) is None:
             raise ConfigError(f"{section}: algorithm {cfg.algorithm.name} generates rollouts and needs this "
@@ -157,79 +152,6 @@ def _validate_rollout_choices(cfg: RootConfig) -> None:
     _choice("generation.precision", cfg.generation.precision, ("fp32", "bf16"))
     _choice("generation.backend", cfg.generation.backend, ("hf", "vllm"))
     _choice("refit.transport", cfg.refit.transport, TRANSPORTS)
-    _choice("algorithm.loss_aggregation", cfg.algorithm.loss_aggregation, LOSS_AGGREGATIONS)
-    if cfg.algorithm.name == "ppo":
-        _choice("algorithm.kl_mode", cfg.algorithm.kl_mode, ("reward", "loss"))
-    if cfg.data.name != "arithmetic":
-        raise ConfigError(f"data.name: RL algorithms read their prompts from data=arithmetic (got: "
-                          f"{cfg.data.name!r}); use data=arithmetic")
-
-
-def _validate_warm_start(a) -> None:
-    w = a.warm_start
-    if w.sft_steps < 0:
-        raise ConfigError(f"algorithm.warm_start.sft_steps: must be >= 0 (got: {w.sft_steps}); 0 skips the warm start")
-    _positive(("algorithm.warm_start.batch_size", w.batch_size))
-    if w.lr <= 0:
-        raise ConfigError(f"algorithm.warm_start.lr: must be > 0 (got: {w.lr}); e.g. 1e-3 for tiny models")
-
-
-def _validate_rl(cfg: RootConfig, dp: int) -> None:
-    p, g, a = cfg.policy, cfg.generation, cfg.algorithm
-    _positive(("generation.num_workers", g.num_workers), ("algorithm.prompts_per_step", a.prompts_per_step),
-              ("generation.max_new_tokens", g.max_new_tokens))
-    _validate_warm_start(a)
-    # the trainer's logprobs are log_softmax(logits / T) over the full vocabulary: the sampler must
-    # draw from that same distribution, or every ratio in the loss is off-policy
-    if g.temperature <= 0 or g.top_p != 1.0 or g.top_k != 0:
-        raise ConfigError(f"generation.temperature / top_p / top_k: RL samples must come from the distribution the "
-                          f"trainer scores (got: {g.temperature}, {g.top_p}, {g.top_k}); use temperature > 0, "
-                          f"top_p=1.0, top_k=0 (greedy validation: algorithm.val_greedy=true)")
-    if a.kl_coef < 0 or not 0 < a.clip_low < 1 or a.clip_high <= 0:
-        raise ConfigError(f"algorithm.kl_coef / clip_low / clip_high: need kl_coef >= 0, 0 < clip_low < 1, "
-                          f"clip_high > 0 (got: {a.kl_coef}, {a.clip_low}, {a.clip_high}); e.g. 0.0, 0.2, 0.28")
-    needs_groups = a.name in ("grpo", "rloo") or (a.name == "reinforce_pp" and a.baseline)
-    if a.group_size < (2 if needs_groups else 1):
-        raise ConfigError(f"algorithm.group_size: {a.name.upper()} needs at least 2 samples per prompt to compare "
-                          f"(got: {a.group_size}); set it to 2 or more" if needs_groups else
-                          f"algorithm.group_size: must be >= 1 (got: {a.group_size}); set a positive value")
-    rollout = a.prompts_per_step * a.group_size
-    if rollout % p.train_global_batch_size:
-        raise ConfigError(f"policy.train_global_batch_size: must divide the rollout size algorithm.prompts_per_step "
-                          f"x algorithm.group_size = {rollout} (got: {p.train_global_batch_size}); pick a divisor of {rollout}")
-    if a.name == "ppo":
-        if not (0 <= a.gamma <= 1 and 0 <= a.lam <= 1):
-            raise ConfigError(f"algorithm.gamma / algorithm.lam: must lie in [0, 1] (got: {a.gamma}, {a.lam}); "
-                              f"the usual values are 1.0 and 0.95")
-        if a.critic.lr <= 0:
-            raise ConfigError(f"algorithm.critic.lr: must be > 0 (got: {a.critic.lr}); e.g. the policy's learning rate")
-
-
-def _validate_supervised(cfg: RootConfig) -> None:
-    from rlkit.algorithms.losses import DPO_LOSS_TYPES
-
-    p, a, d = cfg.policy, cfg.algorithm, cfg.data
-    expected = {"sft": "sft_files", "dpo": "preference_files"}[a.name]
-    if d.name != expected:
-        raise ConfigError(f"data.name: algorithm {a.name} trains on data={expected} (got: {d.name!r}); "
-                          f"use data={expected} or a group of that kind")
-    _positive(("data.max_length", d.max_length))
-    if a.name == "dpo":
-        _choice("algorithm.loss_type", a.loss_type, DPO_LOSS_TYPES)
-        if a.beta <= 0:
-            raise ConfigError(f"algorithm.beta: must be > 0 (got: {a.beta}); DPO's usual range is 0.01-0.5")
-        if not 0 <= a.label_smoothing < 0.5:
-            raise ConfigError(f"algorithm.label_smoothing: must lie in [0, 0.5) (got: {a.label_smoothing}); "
-                              f"0 is plain DPO")
-        if a.loss_type == "ipo" and a.label_smoothing > 0:
-            raise ConfigError(f"algorithm.label_smoothing: applies to the sigmoid loss only (got: {a.label_smoothing} "
-                              f"with loss_type=ipo); set it to 0 or use loss_type=sigmoid")
-        if a.sft_weight < 0:
-            raise ConfigError(f"algorithm.sft_weight: must be >= 0 (got: {a.sft_weight}); 0 disables the SFT term")
-        _validate_warm_start(a)
-        if p.micro_batch_size % 2:
-            raise ConfigError(f"policy.micro_batch_size: DPO keeps each chosen/rejected pair in one micro-batch, "
-                              f"so it must be even (got: {p.micro_batch_size})")
 
 
 def _validate_rollout_transport(cfg: RootConfig) -> None:
@@ -259,8 +181,6 @@ def _validate_rollout_transport(cfg: RootConfig) -> None:
 
 
 def _validate_environment(cfg: RootConfig) -> None:
-    from rlkit.envs.base import check_environment_config
-
     if "_target_" not in cfg.env:
         raise ConfigError("env._target_: no environment set; give an importable Environment class or scoring "
                           "function, e.g. env._target_=rlkit.envs.arithmetic.ArithmeticEnv")

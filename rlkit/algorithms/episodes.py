@@ -1,4 +1,4 @@
-"""Rollouts: generation and environment steps alternate until every episode is done.
+"""Episodes: generation and environment steps alternate until every episode is done.
 
 Only model-generated tokens are trained on: environment observations are appended to the
 sequence with response_mask 0. Single-turn is the same loop with env_runner.max_turns = 1.
@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlkit.cluster.roles import GenerationGroup
+from rlkit.cluster.groups import GenerationWorkers
 from rlkit.config.schema import EnvRunnerConfig
 from rlkit.data.batch import Batch, right_pad
-from rlkit.envs.runner import EnvGroup
+from rlkit.data.generation import SamplingParams
+from rlkit.envs.runner import EnvironmentPool
 from rlkit.observability.metrics import PhaseTimer
-from rlkit.workers.generation.base import SamplingParams
 
 
 @dataclass
@@ -31,15 +31,20 @@ class Episode:
 
 
 @dataclass
-class Rollout:
+class Episodes:
     batch: Batch  # input_ids, response_mask, generation_logprobs (token-aligned)
     rewards: torch.Tensor  # [B] summed over turns
     correct: torch.Tensor | None  # [B] bool, when the environment reports it
     metrics: dict
 
+    @property
+    def response_length(self) -> float:
+        """Mean trained (model-generated) tokens per episode."""
+        return self.batch["response_mask"].sum(1).mean().item()
 
-def run_episodes(rows: list[dict], tokenizer, generation: GenerationGroup, envs: EnvGroup,
-                 params: SamplingParams, cfg: EnvRunnerConfig, timer: PhaseTimer | None = None) -> Rollout:
+
+def run_episodes(rows: list[dict], tokenizer, generation: GenerationWorkers, envs: EnvironmentPool,
+                 params: SamplingParams, cfg: EnvRunnerConfig, timer: PhaseTimer | None = None) -> Episodes:
     """timer, if given, accumulates the "generate" and "reward" (environment) phases over turns."""
     timer = timer or PhaseTimer()
     episodes = [Episode(token_ids=(ids := tokenizer(r["prompt"])["input_ids"]), trained=[False] * len(ids),
@@ -79,10 +84,10 @@ def run_episodes(rows: list[dict], tokenizer, generation: GenerationGroup, envs:
                 episode.trained += [False] * len(obs_ids)
                 episode.logprobs += [0.0] * len(obs_ids)
                 episode.messages.append({"role": "user", "content": step.observation})
-    return _to_rollout(episodes, tokenizer.pad_token_id, failures)
+    return _collate(episodes, tokenizer.pad_token_id, failures)
 
 
-def _to_rollout(episodes: list[Episode], pad_id: int, failures: dict) -> Rollout:
+def _collate(episodes: list[Episode], pad_id: int, failures: dict) -> Episodes:
     input_ids = right_pad([e.token_ids for e in episodes], pad_id)
     mask = torch.zeros(input_ids.shape)
     logprobs = torch.zeros(input_ids.shape)
@@ -93,5 +98,5 @@ def _to_rollout(episodes: list[Episode], pad_id: int, failures: dict) -> Rollout
     correct = torch.tensor([bool(c) for c in reported]) if all(c is not None for c in reported) else None
     metrics = {"train/turns": sum(e.turns for e in episodes) / len(episodes), **failures,
                "env/failure_rate": failures.get("env/failures", 0) / len(episodes)}
-    return Rollout(Batch({"input_ids": input_ids, "response_mask": mask, "generation_logprobs": logprobs}),
+    return Episodes(Batch({"input_ids": input_ids, "response_mask": mask, "generation_logprobs": logprobs}),
                    torch.tensor([e.reward for e in episodes]), correct, metrics)

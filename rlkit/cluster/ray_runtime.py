@@ -10,7 +10,7 @@ from rlkit.config.schema import ClusterConfig
 log = logging.getLogger(__name__)
 
 
-def connect(cfg: ClusterConfig) -> bool:
+def join_or_start_ray(cfg: ClusterConfig) -> bool:
     """Returns True if this call started a local cluster (the caller shuts it down)."""
     if ray.is_initialized():
         return False

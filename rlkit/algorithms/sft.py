@@ -1,0 +1,81 @@
+"""Supervised fine-tuning: next-token NLL on the response tokens of file rows, no rollouts. One
+step = one optimizer step on policy.train_global_batch_size examples (packed if data.pack)."""
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from rlkit.algorithms.loop import RunContext, TrainingData
+from rlkit.algorithms.objectives import NextTokenNLL
+from rlkit.algorithms.registry import AlgorithmSpec
+from rlkit.config.schema import ConfigError, RootConfig
+from rlkit.data.batch import Batch, batch_totals
+from rlkit.data.packing import pack_sequences, pad_rows
+from rlkit.data.sft import load_tokenized_splits, tokenize_sft_row
+from rlkit.data.synthetic import write_arithmetic_sft
+
+
+@dataclass
+class SFTConfig:
+    name: str = MISSING
+    num_steps: int = MISSING
+    val_every: int = MISSING
+
+
+def load_examples(cfg: RootConfig, tokenizer) -> TrainingData:
+    train, val = load_tokenized_splits(cfg.data, lambda row, where: tokenize_sft_row(tokenizer, row, where),
+                                       lambda path, rows: write_arithmetic_sft(path, rows, chat=True))
+    return TrainingData(train, val)
+
+
+def validate_file_data(cfg: RootConfig, dp: int) -> None:
+    if cfg.data.max_length < 1:
+        raise ConfigError(f"data.max_length: must be >= 1 (got: {cfg.data.max_length}); set a positive value")
+
+
+class SFT:
+    """Examples are (input_ids, loss_mask) pairs, tokenized by load_examples."""
+
+    def __init__(self, cfg: RootConfig, policy, pad_id: int, val_examples: list, pack: bool, rows_per_step: int):
+        self.cfg, self.policy, self.pad_id, self.pack = cfg, policy, pad_id, pack
+        self.val_examples, self.rows_per_step = val_examples, rows_per_step
+        self.objective = NextTokenNLL()
+
+    @classmethod
+    def from_context(cls, ctx: RunContext) -> "SFT":
+        ctx.workers.policy.set_learning_rate(ctx.cfg.policy.optimizer.lr)
+        return cls(ctx.cfg, ctx.workers.policy, ctx.tokenizer.pad_token_id, ctx.data.val, ctx.cfg.data.pack,
+                   ctx.cfg.policy.train_global_batch_size)
+
+    def batch(self, examples: list) -> Batch:
+        """Rows (packed if self.pack), padded with empty rows to a multiple of DP x micro-batch."""
+        rows = pack_sequences(examples, self.cfg.data.max_length, self.pad_id, self.pack)
+        return pad_rows(rows, self.policy.layout.dp_size * self.cfg.policy.micro_batch_size, self.pad_id)
+
+    def step(self, examples: list, step: int) -> dict:
+        batch = self.batch(examples)
+        metrics = self.policy.train(batch, batch_totals(batch["loss_mask"]), self.objective)
+        tokens = max(batch["loss_mask"].sum().item(), 1.0)
+        return {"train/loss": metrics["loss"], "train/grad_norm": metrics["grad_norm"],
+                "train/entropy": metrics["entropy"] / tokens, "train/rows": len(batch),
+                "train/tokens_per_row": batch["segment_ids"].gt(0).sum().item() / len(batch)}
+
+    def validate(self) -> dict:
+        if not self.val_examples:
+            return {}
+        batch = self.batch(self.val_examples)
+        self.policy.hold(batch)
+        return {"val/loss": self.policy.evaluate_held(batch_totals(batch["loss_mask"]), self.objective)["loss"]}
+
+    def save(self, checkpoint_dir: str):
+        self.policy.save_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
+
+    def load(self, checkpoint_dir: str):
+        self.policy.load_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
+
+    def close(self):
+        pass
+
+
+ALGORITHM = AlgorithmSpec(name="sft", config=SFTConfig, data="sft_files", load_data=load_examples,
+                          trainer=SFT.from_context, validate=validate_file_data)

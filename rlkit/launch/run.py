@@ -1,0 +1,99 @@
+"""The one launch path every run takes, whatever its algorithm: run directory, checkpoints and
+resume, model and tokenizer, data, workers, an optional cached warm start, the trainer, the loop,
+and cleanup. Also the two other commands that start workers: verify-refit and convert."""
+
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer
+
+from rlkit.algorithms.loop import RunContext, RunResult, run_steps
+from rlkit.algorithms.registry import load_algorithm
+from rlkit.algorithms.warm_start import cached_warm_start, warm_start_dir
+from rlkit.checkpoint import CheckpointManager
+from rlkit.cluster.setup import start_workers
+from rlkit.config.schema import RootConfig
+from rlkit.data.arithmetic import arithmetic_splits
+from rlkit.data.batch import rollout_batch
+from rlkit.data.generation import SamplingParams
+from rlkit.data.stream import ShuffledStream
+from rlkit.launch.config import to_typed
+from rlkit.models.resolve import resolve_model_dir
+from rlkit.observability.logprob_agreement import logprob_error
+from rlkit.observability.metrics import MetricsLogger
+from rlkit.refit.driver import RefitDriver
+
+log = logging.getLogger("rlkit")
+
+
+def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
+    """Train cfg.algorithm.name; returns the run's metrics history and folder."""
+    algorithm = load_algorithm(cfg.algorithm.name)
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    checkpoints = CheckpointManager(cfg.checkpoint, run_dir)
+    resume_from = checkpoints.to_resume()
+    model_dir = resolve_model_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = algorithm.load_data(cfg, tokenizer)
+    start_dir, warm_dir = model_dir, None
+    if algorithm.warm_start is not None:
+        start_dir, warm_dir = warm_start_dir(cfg, model_dir, resume_from, algorithm.uses_reference(cfg.algorithm),
+                                             *data.identity)
+    workers = start_workers(cfg, str(start_dir), with_generation=algorithm.rollouts, with_critic=algorithm.critic)
+    state_step = CheckpointManager.controller_state(resume_from)["step"] if resume_from else None
+    logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state_step)
+    trainer = None
+    try:
+        if resume_from is None and warm_dir is not None:
+            log.info("warm start: running %d SFT steps with rlkit's trainer before %s, cached in %s",
+                     cfg.algorithm.warm_start.sft_steps, algorithm.name, warm_dir)
+            cached_warm_start(workers.policy, warm_dir,
+                              lambda: algorithm.warm_start(cfg, workers.policy, tokenizer, data, warm_dir))
+            start_dir = warm_dir
+        trainer = algorithm.trainer(RunContext(cfg, algorithm, workers, tokenizer, data, start_dir))
+        rows = ShuffledStream(data.train, trainer.rows_per_step, cfg.run.seed)
+        return run_steps(cfg, resolved, trainer, rows, checkpoints, logger, resume_from)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        logger.close()
+        workers.shutdown()
+
+
+def verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
+    """`rlkit verify-refit`: load the model into policy and generation, refit, sample answers to
+    held-out prompts and compare the sampler's logprobs with the policy's on the same tokens."""
+    _, val_set = arithmetic_splits(cfg.data)
+    model_dir = resolve_model_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    workers = start_workers(cfg, str(model_dir))
+    try:
+        workers.policy.set_temperature(cfg.generation.temperature or 1.0)
+        metrics = RefitDriver(cfg, workers.policy, workers.generation, workers.placement_group, []).sync()
+        g = cfg.generation
+        prompt_ids = [tokenizer(r["prompt"])["input_ids"] for r in val_set[:num_prompts]]
+        generations = workers.generation.generate(prompt_ids, SamplingParams(g.max_new_tokens, g.temperature,
+                                                                             g.top_p, g.top_k, cfg.run.seed))
+        rollout = rollout_batch(prompt_ids, generations, tokenizer.pad_token_id)
+        rollout = rollout.slice(0, len(rollout) - len(rollout) % workers.policy.layout.dp_size)
+        metrics.update(logprob_error(workers.policy.logprobs(rollout), rollout["generation_logprobs"],
+                                     rollout["response_mask"]))
+        metrics["refit/tokens_compared"] = int(rollout["response_mask"].sum())
+        return metrics
+    finally:
+        workers.shutdown()
+
+
+def export_hf(checkpoint_dir: Path, out_dir: Path) -> Path:
+    """`rlkit convert`: HF weights (with config and tokenizer) from a checkpoint of either format.
+    The policy is rebuilt as the run had it (its saved config), loads the checkpoint and writes
+    through the bridge; no offline converter."""
+    cfg = to_typed(OmegaConf.load(checkpoint_dir / "config.yaml"))
+    workers = start_workers(cfg, str(resolve_model_dir(cfg)), with_generation=False)
+    try:
+        workers.policy.load_checkpoint(str(checkpoint_dir), cfg.checkpoint.save_format)
+        workers.policy.save_hf(str(out_dir))
+    finally:
+        workers.shutdown()
+    return out_dir

@@ -1,0 +1,141 @@
+"""The controller's half of refit: one plan, one owner. The trainer calls sync() before it
+generates; the driver knows whether the policy's weights changed since the last refit, moves
+them into every generation worker, and orders the colocated memory hand-over.
+
+How bytes travel is the transport's business; every transport moves the same RefitPlan:
+  cpu       Ray's object store: policy rank 0 streams buckets, the controller forwards each
+            bucket's reference to every generation worker (HF workers)
+  cuda_ipc  colocated: each policy rank packs into two slots on its GPU that the vLLM engine on
+            that GPU maps through CUDA IPC handles (rlkit/refit/transports/cuda_ipc.py)
+  nccl      disaggregated: policy rank 0 broadcasts each bucket to every vLLM engine on a
+            communicator of their own (rlkit/refit/transports/nccl.py)
+The GPU transports start, once, a standing receiver in each vLLM engine process
+(rlkit/refit/receiver.py); a refit is then one call to the policy (its sender,
+rlkit/refit/sender.py), which starts it on its channel and returns every receiver's report.
+Waits inside a refit are bounded by half of cluster.call_timeout_s, so a dead or stuck peer is
+named by the side that waited for it before the controller's own wait runs out.
+"""
+
+import time
+
+from rlkit.cluster.groups import GenerationWorkers, ModelWorkers
+from rlkit.cluster.worker_group import rendezvous_address
+from rlkit.config.schema import RootConfig
+from rlkit.refit.plan import RefitPlan
+from rlkit.workers.generation.hf import HFGenerationWorker
+from rlkit.workers.generation.vllm import VLLMGenerationWorker
+from rlkit.workers.policy.megatron import MegatronModelWorker as Policy
+
+TRANSPORTS = ("cpu", "cuda_ipc", "nccl")
+
+
+class RefitDriver:
+    def __init__(self, cfg: RootConfig, policy: ModelWorkers, generation: GenerationWorkers, placement_group,
+                 sleepers: list[ModelWorkers]):
+        """sleepers: the models that leave the GPU to a colocated vLLM while it generates."""
+        self.policy, self.generation, self.sleepers = policy, generation, sleepers
+        self.verify = cfg.refit.verify_checksums
+        self.manifest = policy.workers.every_rank(Policy.refit_manifest)[0]  # (HF name, shape, dtype) in export order
+        self.plan = RefitPlan.build(self.manifest, int(cfg.refit.bucket_mb * 2**20),
+                                    transfer_dtype="bfloat16" if cfg.generation.precision == "bf16" else None,
+                                    keep_fp32=tuple(cfg.refit.keep_fp32))
+        self.transfer = {"cpu": ObjectStoreTransfer, "cuda_ipc": CudaIpcTransfer,
+                         "nccl": NcclTransfer}[cfg.refit.transport](policy, generation, placement_group)
+        self.stale = True  # the generation workers do not hold the policy's weights yet
+
+    def sync(self) -> dict:
+        """Before generating: the generation workers get the policy's weights if training (or a
+        checkpoint load) changed them; then (colocated on GPU) the trained models sleep, and the
+        engines wake their KV cache in the memory that freed. Returns refit and memory metrics."""
+        self.generation.wake("weights")
+        metrics = self.transfer(self.plan, self.verify) if self.stale else {}
+        self.stale = False
+        for model in self.sleepers:
+            freed = model.sleep()
+            if freed:
+                metrics[f"memory/{model.role}_offloaded_gb"] = freed / 1e9
+        self.generation.wake()
+        return metrics
+
+
+def _metrics(plan: RefitPlan, seconds: float, sender: dict, received: list[dict]) -> dict:
+    """Time and throughput of the whole refit, the sender's share of it (policy rank 0's host
+    seconds in the export and in packing; the rest is transport and loading), whether the sender
+    copied parameter rows directly, and the generation workers' reports of their side (each
+    figure the lowest any of them gave, e.g. the share of its load that was replayed)."""
+    return {"refit/seconds": seconds, "refit/gbytes_per_s": plan.total_bytes / seconds / 1e9,
+            "refit/buckets": len(plan.buckets), "timing/refit_export_host": sender["export"],
+            "timing/refit_pack_host": sender["pack"], "refit/direct_export": float(sender["direct"]),
+            **{key: min(report[key] for report in received) for key in received[0]}}
+
+
+class ObjectStoreTransfer:
+    """Policy rank 0 streams buckets into Ray's object store as it exports them; the controller
+    forwards each bucket's reference to every generation worker, so at most a few buckets are in
+    flight and the controller never touches the bytes."""
+
+    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group):
+        self.policy, self.generation = policy.workers, generation.workers
+
+    def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
+        start = time.perf_counter()
+        self.generation.every_rank(HFGenerationWorker.begin_refit, plan, verify_checksums)
+        streams = [actor.stream_refit_buckets.options(num_returns="streaming").remote(plan, verify_checksums)
+                   for actor in self.policy.actors]
+        loads, owners = [], []
+        for bucket_ref in streams[0]:
+            loads += self.generation.submit(HFGenerationWorker.load_bucket, bucket_ref)
+            owners += range(len(self.generation))
+        for rank, stream in enumerate(streams[1:], start=1):  # other ranks only join the collectives
+            self.policy.wait(list(stream), "stream_refit_buckets", ranks=[rank])
+        self.generation.wait(loads, "load_bucket", ranks=owners)
+        received = self.generation.every_rank(HFGenerationWorker.end_refit)
+        return _metrics(plan, time.perf_counter() - start, self.policy.every_rank(Policy.refit_stats)[0], received)
+
+
+class _ChannelTransfer:
+    """A refit is one call to the policy's senders; the generation workers are told their
+    weights change in parallel (their prefix cache is reset at the next generate), which costs
+    the refit nothing."""
+
+    def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
+        start = time.perf_counter()
+        sends = self.policy.submit(Policy.send_refit, plan, verify_checksums)
+        marks = self.generation.submit(VLLMGenerationWorker.weights_changing)
+        sent = self.policy.wait(sends, "send_refit")
+        seconds = time.perf_counter() - start
+        self.generation.wait(marks, "weights_changing")
+        return _metrics(plan, seconds, sent[0], [r for rank in sent for r in rank.get("received", [])])
+
+    def _start_receivers(self, transport: str, addresses: list[tuple], timeout_s: float):
+        """Generation worker i serves refits from the sender at addresses[i]."""
+        self.generation.each(VLLMGenerationWorker.start_refit_receiver,
+                             [(transport, address, timeout_s) for address in addresses])
+
+
+class CudaIpcTransfer(_ChannelTransfer):
+    """Generation worker i shares a GPU with policy rank i (colocated placement), and receives
+    from it alone."""
+
+    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group):
+        self.policy, self.generation = policy.workers, generation.workers
+        timeout_s = self.policy.timeout_s / 2
+        addresses = self.policy.every_rank(Policy.open_refit_channel, "cuda_ipc", 1, timeout_s)
+        self._start_receivers("cuda_ipc", addresses, timeout_s)
+
+
+class NcclTransfer(_ChannelTransfer):
+    """A communicator of policy rank 0 (rank 0 in it) and every generation worker, made once;
+    rank 0's channel reaches every generation worker's receiver."""
+
+    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group):
+        self.policy, self.generation = policy.workers, generation.workers
+        timeout_s = self.policy.timeout_s / 2
+        host, port = rendezvous_address(placement_group, 0)
+        world = 1 + len(self.generation)
+        joins = self.policy.submit(Policy.join_refit_communicator, host, port, world, timeout_s, ranks=[0])
+        engines = self.generation.submit(VLLMGenerationWorker.join_refit_communicator, host, port, world, timeout_s)
+        self.policy.wait(joins, "join_refit_communicator", ranks=[0])
+        self.generation.wait(engines, "join_refit_communicator")
+        address, = self.policy.only([0], Policy.open_refit_channel, "nccl", len(self.generation), timeout_s)
+        self._start_receivers("nccl", [address] * len(self.generation), timeout_s)

@@ -1,0 +1,90 @@
+"""The receiving half of refit, hosted by each generation worker. Buckets are unpacked with the
+same RefitPlan the policy packed them with.
+
+ObjectStoreReceiver  HF workers (CPU): buckets arrive as Ray objects, one call each.
+StandingReceiver     vLLM workers (GPU): a thread in each engine process serves every refit the
+                     policy rank starts over the refit channel (rlkit/refit/channel.py), through
+                     the transport's receiving half; the model's own loader places each tensor
+                     the first time a plan is used, later refits replay its copies (replay.py).
+"""
+
+from typing import Callable
+
+import torch
+
+from rlkit.refit.channel import Channel, ChannelThread, RefitStart
+from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan
+
+
+class ObjectStoreReceiver:
+    """Copies each bucket's tensors into `params` ({HF name: parameter}; tied weights once, as
+    the exporter sends them). A plan that does not cover exactly these parameters, and a refit
+    that misses a bucket, are errors naming the worker."""
+
+    def __init__(self, params: dict[str, torch.Tensor], name: str):
+        self.params, self.name = params, name
+        self._plan: RefitPlan | None = None
+        self._pending: set[int] = set()
+
+    def begin(self, plan: RefitPlan, verify_checksums: bool) -> None:
+        expected = {n: tuple(p.shape) for n, p in self.params.items()}
+        planned = {s.name: s.shape for b in plan.buckets for s in b.slots}
+        missing = sorted(set(expected) - set(planned))
+        unknown = sorted(set(planned) - set(expected))
+        wrong = sorted(n for n in set(planned) & set(expected) if planned[n] != expected[n])
+        if missing or unknown or wrong:
+            raise RefitIntegrityError(f"refit plan does not match {self.name}'s model: missing={missing[:5]} "
+                                      f"unknown={unknown[:5]} shape-mismatch={wrong[:5]}")
+        self._plan, self._verify = plan, verify_checksums
+        self._pending = set(range(len(plan.buckets)))
+
+    @torch.no_grad()
+    def load(self, packed: PackedBucket) -> None:
+        for name, tensor in self._plan.unpack(packed, verify=self._verify):
+            self.params[name].copy_(tensor)
+        self._pending.discard(packed.index)
+
+    def end(self) -> dict:
+        """Fails unless every bucket of the plan arrived; the receiving side's refit metrics."""
+        if self._pending:
+            raise RefitIntegrityError(f"refit incomplete on {self.name}: buckets {sorted(self._pending)} never arrived")
+        self._plan = None
+        return {}
+
+
+class StandingReceiver:
+    """Serves refits in a vLLM worker process from the policy rank at `address`, through
+    `transport` (cuda_ipc's IpcReceiver or nccl's NcclReceiver); get_model() is vLLM's current
+    model, whose loader is learned once per plan and replayed."""
+
+    def __init__(self, transport, get_model: Callable[[], torch.nn.Module], address: tuple, name: str,
+                 timeout_s: float):
+        self.transport, self.get_model = transport, get_model
+        self._replay = None
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.thread = ChannelThread(address, name, self.serve, device, timeout_s)
+
+    def _loader(self, plan: RefitPlan):
+        """This plan's replay of this model's loader; a new plan or model is learned again."""
+        from rlkit.refit.replay import LoadReplay
+
+        model = self.get_model()
+        if self._replay is None or self._replay.plan != plan or self._replay.model is not model:
+            self._replay = LoadReplay(plan, model)
+        return self._replay
+
+    def serve(self, channel: Channel, plan: RefitPlan, start: RefitStart) -> dict:
+        replay = self._loader(plan)
+        if start.setup is not None:  # new transfer buffers: the replay's views of the old ones go
+            replay.release_buffers()
+        self.transport.receive(channel, plan, start, lambda packed: replay.load(packed, start.verify))
+        return {"refit/replayable_fraction": replay.replayable_fraction}
+
+
+def receiving_half(transport: str, communicator=None):
+    """cuda_ipc: maps the policy rank's slots on this GPU; nccl: receives over `communicator`."""
+    if transport == "cuda_ipc":
+        from rlkit.refit.transports.cuda_ipc import IpcReceiver
+        return IpcReceiver()
+    from rlkit.refit.transports.nccl import NcclReceiver
+    return NcclReceiver(communicator)

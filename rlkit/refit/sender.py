@@ -1,0 +1,183 @@
+"""The sending half of refit, hosted by each policy worker (rlkit/workers/policy/megatron.py).
+
+The host gives it a narrow export interface (ExportSource): wake the weights, the bridge's
+HF-named export stream, and, where one rank holds every weight, the parameters' rows that make
+each HF tensor. The sender turns either into the plan's packed buckets: streamed through Ray's
+object store (CPU), or over a transport (cuda_ipc, nccl) to the standing receivers of the
+generation workers, one call per refit.
+"""
+
+import time
+from typing import Iterator, Protocol
+
+import torch
+
+from rlkit.refit.channel import ChannelServer
+from rlkit.refit.plan import PackedBucket, RefitPlan
+
+
+class ExportSource(Protocol):
+    rank: int
+    name: str  # "policy": for log lines
+
+    def wake(self) -> None: ...
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, HF-layout tensor) in a fixed order. Collective over the model's ranks."""
+
+    def export_rows(self):
+        """A RowExport (rlkit/bridge) where the bridge's conversion only moves parameter rows and
+        this rank holds them all; else None."""
+
+
+class RefitSender:
+    def __init__(self, source: ExportSource):
+        self.source = source
+        self._row_export = None  # set by manifest() where refits can copy rows directly
+        # a direct export's packing copies per (bucket, buffer address, size), for one plan: the
+        # GPU transports pack into the same two buffers at every refit
+        self._pack_copies: dict[tuple[int, int, int], tuple[list, list]] = {}
+        self._server: ChannelServer | None = None  # the channel's listening end
+        self._transport = None  # the transport's sending half (sending_half)
+        self.communicator = None  # nccl: the communicator with the generation workers
+        self._plan = self._sources = None  # of the refit in progress (or the last one)
+        # of the last refit; ranks that skip a refit's export report zeros
+        self._seconds = {"export": 0.0, "pack": 0.0}
+
+    def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(hf_name, shape, dtype) in export order. Collective. Also settles how later refits
+        export: straight from the parameters' rows where the bridge's conversion only moves rows
+        (checked here, tensor by tensor, against this very export), else through the bridge,
+        whose per-tensor gathers and name broadcasts cost far more than the copies."""
+        self.source.wake()
+        rows = self.source.export_rows()
+        sources = rows.sources() if rows is not None else {}
+        manifest = []
+        for name, tensor in self.source.hf_weights():
+            manifest.append((name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+            if rows is not None and not _assembles(sources.get(name), tensor):
+                rows = None
+        self._row_export = rows if rows is not None and set(rows.names) == {m[0] for m in manifest} else None
+        if self.source.rank == 0:
+            print(f"[{self.source.name}] refit export: " + ("direct row copies from the parameters"
+                                                           if self._row_export is not None else "through the bridge"),
+                  flush=True)
+        return manifest
+
+    def stream_buckets(self, plan: RefitPlan, with_checksum: bool) -> Iterator[PackedBucket]:
+        """Every bucket, in plan order, each yielded as soon as it is packed (the object-store
+        transport). Through the bridge the export is collective: every rank iterates it, only rank
+        0 yields buckets (other ranks run it to join the collectives)."""
+        if self.source.rank != 0 and self._row_export is not None:
+            return
+        self._begin(plan)
+        for _ in plan.buckets:
+            packed = self._pack_next(with_checksum)
+            if self.source.rank == 0:
+                yield packed
+        self._end()
+
+    def join_communicator(self, host: str, port: int, world_size: int, timeout_s: float):
+        """nccl: this rank is rank 0 of a communicator with every generation worker."""
+        from rlkit.refit.transports.nccl import RefitCommunicator
+        self.communicator = RefitCommunicator(host, port, 0, world_size, timeout_s)
+
+    def open_channel(self, transport, receivers: int, timeout_s: float) -> tuple:
+        """Listen for the standing receivers of `receivers` generation workers, which
+        `transport` (a sending half: prepare(plan, fresh_receivers) -> setup, send(channels,
+        plan, pack)) will feed; returns the address they connect to."""
+        if self._server is not None:
+            self._server.close()
+        self._server, self._transport = ChannelServer(receivers, timeout_s), transport
+        return self._server.address
+
+    def send(self, plan: RefitPlan, with_checksum: bool) -> dict:
+        """One refit over this rank's channel: start it on every receiver (with the transport's
+        setup, e.g. new IPC handles), move the bytes, collect their reports. On failure the
+        channel closes, so receivers stop at once and connect again. A rank without a channel
+        (nccl: all but rank 0) only takes part in the bridge export's collectives. Returns the
+        export's stats and the receivers' reports."""
+        if self._server is None:
+            for _ in self.stream_buckets(plan, with_checksum):
+                pass
+            return {}
+        server, transport = self._server, self._transport
+        self._begin(plan)
+        try:
+            channels = server.begin(plan, with_checksum, transport.prepare(plan, server.accept_receivers()))
+            transport.send(channels, plan, lambda buffer: self._pack_next(with_checksum, buffer))
+            self._end()
+            received = server.finish()
+        except BaseException:
+            server.abort()
+            raise
+        return {**self.stats(), "received": received}
+
+    def stats(self) -> dict:
+        """Host seconds the last refit spent exporting and packing (kernels may still run after
+        them: where a refit's time goes on the sending side), and whether it copied parameter
+        rows directly (else it went through the bridge)."""
+        return {**self._seconds, "direct": self._row_export is not None}
+
+    # Every export: _begin, _pack_next once per bucket, _end. Through the bridge the export is
+    # collective (every rank packs), buckets fill in export order, and the plan is checked
+    # against what the bridge actually yields.
+    def _begin(self, plan: RefitPlan):
+        self.source.wake()
+        start = time.perf_counter()
+        self._next_bucket = 0
+        self._exported = None if self._row_export is not None else self.source.hf_weights()
+        sources = self._row_export.sources() if self._row_export is not None else None
+        if sources is not self._sources or plan != self._plan:
+            self._pack_copies = {}  # kept copies hold for one plan and one set of parameter views
+        self._plan, self._sources = plan, sources
+        self._seconds = {"export": time.perf_counter() - start, "pack": 0.0}
+
+    def _pack_next(self, with_checksum: bool, out: torch.Tensor | None = None) -> PackedBucket:
+        """The next bucket, packed into `out` (a buffer the transport keeps) or a new buffer."""
+        bucket = self._plan.buckets[self._next_bucket]
+        self._next_bucket += 1
+        start = time.perf_counter()
+        if self._exported is None:
+            sources = self._sources  # views of the parameters; packing reads this bucket's tensors only
+        else:
+            tensors = dict(next(self._exported) for _ in bucket.slots)  # the plan follows export order
+            expected = {s.name for s in bucket.slots}
+            if set(tensors) != expected:
+                raise RuntimeError(f"refit: export order differs from the plan at {bucket.describe()}: got "
+                                   f"{sorted(set(tensors) - expected)[:3]}; rebuild the plan")
+            sources = {name: [(tensor, 0)] for name, tensor in tensors.items()}
+        exported = time.perf_counter()
+        if self._exported is None and out is not None:  # kept views into a kept buffer: keep the copies too
+            key = (bucket.index, out.data_ptr(), out.numel())
+            if key not in self._pack_copies:
+                self._pack_copies[key] = self._plan.copies(bucket.index, sources, out[:bucket.nbytes])
+            packed = self._plan.pack_copies(bucket.index, out[:bucket.nbytes], self._pack_copies[key], with_checksum)
+        else:
+            packed = self._plan.pack(bucket.index, sources, with_checksum, out)
+        self._seconds["export"] += exported - start
+        self._seconds["pack"] += time.perf_counter() - exported
+        return packed
+
+    def _end(self):
+        if self._exported is not None and next(self._exported, None) is not None:
+            raise RuntimeError("refit: the export has more tensors than the plan; rebuild the plan")
+        self._exported = None
+
+
+def _assembles(pieces: list | None, tensor: torch.Tensor) -> bool:
+    """Whether the (rows, first row) pieces put together equal `tensor`, bit for bit."""
+    if not pieces:
+        return False
+    rows = torch.cat([p.reshape(-1) for p, _ in sorted(pieces, key=lambda piece: piece[1])])
+    return rows.dtype == tensor.dtype and rows.numel() == tensor.numel() and torch.equal(rows, tensor.reshape(-1))
+
+
+def sending_half(transport: str, communicator=None):
+    """cuda_ipc: two slots on this GPU shared with the engine beside it; nccl: broadcasts over
+    `communicator` (RefitSender.join_communicator)."""
+    if transport == "cuda_ipc":
+        from rlkit.refit.transports.cuda_ipc import IpcSender
+        return IpcSender()
+    from rlkit.refit.transports.nccl import NcclSender
+    return NcclSender(communicator)

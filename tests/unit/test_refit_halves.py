@@ -1,0 +1,114 @@
+"""Refit's two worker halves put together on CPU: a RefitSender (the policy side) serves refits to
+StandingReceivers (the generation side) over real refit channels, and the receivers' models end
+bit-identical to the exported weights, first through their loader, then by replay. The GPU
+transports (CUDA IPC, NCCL) only move the bytes and run in tests/gpu; here a transport pair
+moves each packed bucket over the channel itself."""
+
+import pytest
+import torch
+
+from rlkit.refit.plan import PackedBucket, RefitPlan
+from rlkit.refit.receiver import StandingReceiver
+from rlkit.refit.sender import RefitSender
+
+SHAPES = {"embed": (6, 4), "q": (4, 4), "k": (2, 4), "norm": (4,)}
+
+
+class Source:
+    """The export interface a policy worker gives its sender (through the bridge, no rows)."""
+
+    rank, name = 0, "policy"
+
+    def __init__(self, seed: int):
+        self.set_weights(seed)
+
+    def set_weights(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.weights = {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
+
+    def wake(self):
+        pass
+
+    def hf_weights(self):
+        return iter(list(self.weights.items()))
+
+    def export_rows(self):
+        return None
+
+
+class Engine(torch.nn.Module):
+    """An inference engine's model with its own loader: q and k fused, as vLLM lays them out."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.qk, self.norm = (torch.nn.Parameter(torch.zeros(s)) for s in [(6, 4), (6, 4), (4,)])
+
+    @torch.no_grad()
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name in ("q", "k"):
+                self.qk.data.narrow(0, 0 if name == "q" else 4, w.shape[0]).copy_(w)
+            else:
+                getattr(self, name).data.copy_(w)
+
+
+class BytesOverChannel:
+    """Sending half: each packed bucket's bytes go over the channel to every receiver."""
+
+    def prepare(self, plan: RefitPlan, fresh_receivers: bool):
+        return None
+
+    def send(self, channels, plan: RefitPlan, pack):
+        for _ in plan.buckets:
+            packed = pack(None)
+            for channel in channels:
+                channel.send((packed.index, packed.buffer.numpy().tobytes(), packed.checksum))
+
+
+class BytesFromChannel:
+    def receive(self, channel, plan: RefitPlan, start, load):
+        for bucket in plan.buckets:
+            index, data, checksum = channel.receive(f"bucket {bucket.index}")
+            load(PackedBucket(index, torch.frombuffer(bytearray(data), dtype=torch.uint8), checksum))
+
+
+@pytest.fixture
+def refit():
+    source = Source(seed=0)
+    sender = RefitSender(source)
+    plan = RefitPlan.build(sender.manifest(), bucket_bytes=64)
+    address = sender.open_channel(BytesOverChannel(), receivers=2, timeout_s=10)
+    engines = [Engine(), Engine()]
+    receivers = [StandingReceiver(BytesFromChannel(), lambda e=e: e, address, f"generation worker {i}", 10)
+                 for i, e in enumerate(engines)]
+    yield source, sender, plan, engines
+    sender._server.close()
+    for receiver in receivers:
+        receiver.thread.thread.join(timeout=10)
+
+
+def test_refits_through_the_loader_then_by_replay_are_bit_exact(refit):
+    source, sender, plan, engines = refit
+    assert len(plan.buckets) > 1
+    for seed in (0, 1, 2):  # the first refit learns the loader, the next ones replay it
+        source.set_weights(seed)
+        report = sender.send(plan, with_checksum=True)
+        assert report["received"] == [{"refit/replayable_fraction": 1.0}] * 2
+        assert report["direct"] is False and report["export"] >= 0
+        w = source.weights
+        for engine in engines:
+            assert torch.equal(engine.embed, w["embed"]) and torch.equal(engine.norm, w["norm"])
+            assert torch.equal(engine.qk, torch.cat([w["q"], w["k"]]))
+
+
+def test_a_receiver_whose_load_fails_is_named_and_the_next_refit_works(refit):
+    source, sender, plan, engines = refit
+    sender.send(plan, with_checksum=True)
+    good = engines[1].load_weights
+    engines[1].load_weights = None  # its loader is gone: the first bucket fails to load
+    with pytest.raises(RuntimeError, match="refit: generation worker 1 (failed|went away)"):
+        sender.send(RefitPlan.build(sender.manifest(), bucket_bytes=128), with_checksum=False)
+    engines[1].load_weights = good
+    source.set_weights(5)
+    sender.send(plan, with_checksum=True)  # the receivers connected again
+    assert torch.equal(engines[1].embed, source.weights["embed"])
