@@ -37,10 +37,12 @@ class Episodes:
     correct: torch.Tensor | None  # [B] bool, when the environment reports it
     metrics: dict
 
-    @property
-    def response_length(self) -> float:
-        """Mean trained (model-generated) tokens per episode."""
-        return self.batch["response_mask"].sum(1).mean().item()
+    def summary(self, split: str) -> dict:
+        """Mean reward, accuracy (when the environment reports it) and trained (model-generated)
+        tokens per episode, with the environment's counts."""
+        accuracy = {} if self.correct is None else {f"{split}/accuracy": self.correct.float().mean().item()}
+        return {f"{split}/reward": self.rewards.mean().item(), **accuracy,
+                f"{split}/response_length": self.batch["response_mask"].sum(1).mean().item(), **self.metrics}
 
 
 def run_episodes(rows: list[dict], tokenizer, generation: GenerationWorkers, envs: EnvironmentPool,

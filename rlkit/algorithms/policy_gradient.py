@@ -136,22 +136,21 @@ class PolicyGradientTrainer:
             episodes = self.episodes([r for r in rows for _ in range(a.group_size)], sampling, timer)
             with timer("generate"):
                 self.generation.sleep()  # colocated: give the memory back to the policy
+            rewards, summary = episodes.rewards, episodes.summary("train")
             with timer("logprobs"):
                 parts = len(episodes.batch) // self.cfg.policy.train_global_batch_size
                 totals = minibatch_totals(episodes.batch, self.policy.layout.dp_size, parts)
-                self.hold(episodes.batch)  # the token tensors leave the controller here
+                self.hold(episodes.batch)
+                del episodes  # the token tensors have left the controller: only rewards and metrics stay
                 agreement = agreement_metrics(self.policy.forward_held("old_logprobs"))
                 if a.kl_coef > 0:
                     self.policy.forward_held("reference_logprobs", reference=True)
             with timer("advantages"):
-                advantage_metrics = self.algorithm.estimator(self, episodes.rewards)
+                advantage_metrics = self.algorithm.estimator(self, rewards)
             with timer("train"):
                 train_metrics = self.train(totals)
                 self.refit.stale = True
-        accuracy = {} if episodes.correct is None else {"train/accuracy": episodes.correct.float().mean().item()}
-        return {"train/reward": episodes.rewards.mean().item(), **accuracy,
-                "train/response_length": episodes.response_length, **episodes.metrics, **advantage_metrics,
-                **train_metrics, **refit_metrics, **timer.seconds, **agreement}
+        return {**summary, **advantage_metrics, **train_metrics, **refit_metrics, **timer.seconds, **agreement}
 
     def episodes(self, rows: list[dict], params: SamplingParams, timer: PhaseTimer | None = None) -> Episodes:
         """Generation and environment turns until every episode is done; timer accumulates the
@@ -183,8 +182,8 @@ class PolicyGradientTrainer:
             else self.sampling
         episodes = self.episodes(self.val_rows, params)
         self.generation.sleep()  # what follows (training, a checkpoint) needs the policy's memory
-        accuracy = {} if episodes.correct is None else {"val/accuracy": episodes.correct.float().mean().item()}
-        return {**refit_metrics, "val/reward": episodes.rewards.mean().item(), **accuracy}
+        summary = episodes.summary("val")
+        return {**refit_metrics, **{k: summary[k] for k in ("val/reward", "val/accuracy") if k in summary}}
 
     def save(self, checkpoint_dir: str):
         self.policy.save_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
