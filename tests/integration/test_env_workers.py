@@ -126,16 +126,17 @@ def test_readme_custom_environment_runs(tmp_path):
 
 
 def test_multi_turn_grpo_improves(ray_cluster, cache_dir, tmp_path):
-    """recipes/grpo_tiny_cpu_multiturn.yaml, its first 40 of 60 steps: reward rises (measured over
-    60 steps: validation reward 0.23 -> 0.37, training reward 0.26 -> 0.36 over 10-step means)."""
+    """recipes/grpo_tiny_cpu_multiturn.yaml, its first 30 of 60 steps: reward rises (measured at 30
+    steps: training reward 0.255 -> 0.303 over 10-step means, validation reward 0.225 -> 0.305; the
+    training reward averages 5120 episodes per 10 steps, the validation 100 sampled answers)."""
     from rlkit.launch.run import train
     from rlkit.launch.config import load_config
 
     cfg, resolved = load_config("grpo_tiny_cpu_multiturn", [f"run.cache_dir={cache_dir}",
-                                                            f"run.output_dir={tmp_path}", "algorithm.num_steps=40",
-                                                            "algorithm.val_every=20"])
+                                                            f"run.output_dir={tmp_path}", "algorithm.num_steps=30",
+                                                            "algorithm.val_every=15"])
     history = train(cfg, resolved).history
     rewards = [m["train/reward"] for m in history[1:]]
-    assert history[-1]["val/reward"] >= history[0]["val/reward"] + 0.08
+    assert history[-1]["val/reward"] >= history[0]["val/reward"] + 0.05
     assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + 0.03
     assert max(m["train/turns"] for m in history[1:]) > 1.5  # episodes really are multi-turn
