@@ -19,6 +19,7 @@ from rlkit.algorithms.loop import RunContext, TrainingData
 from rlkit.algorithms.losses import LOSS_AGGREGATIONS, ClippedPolicyLossConfig
 from rlkit.algorithms.objectives import PolicyGradient
 from rlkit.algorithms.warm_start import sft_steps
+from rlkit.cluster.groups import ModelWorkers
 from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig
 from rlkit.data.arithmetic import arithmetic_splits
 from rlkit.data.batch import Batch, BatchTotals, batch_totals
@@ -163,10 +164,7 @@ class PolicyGradientTrainer:
     def train(self, totals: list[BatchTotals]) -> dict:
         """One optimizer step per mini-batch of policy.train_global_batch_size samples: part i of
         every held shard (totals[i] counts that mini-batch over all shards)."""
-        sums = {}
-        for part, part_totals in enumerate(totals):
-            for k, v in self.policy.train_held(part, len(totals), part_totals, self.objective).items():
-                sums[k] = sums.get(k, 0.0) + v
+        sums = train_minibatches(self.policy, totals, self.objective)
         tokens = max(sum(t.num_tokens for t in totals), 1.0)
         out = {"train/loss": sums["loss"] / len(totals), "train/grad_norm": sums["grad_norm"] / len(totals),
                "train/clip_fraction": sums["clipped_tokens"] / tokens, "train/entropy": sums["entropy"] / tokens}
@@ -194,6 +192,16 @@ class PolicyGradientTrainer:
 
     def close(self):
         self.envs.shutdown()
+
+
+def train_minibatches(model: ModelWorkers, totals: list[BatchTotals], objective) -> dict:
+    """One optimizer step of `model` per mini-batch (part i of every held shard, counted by
+    totals[i]); the metric sums added over the mini-batches."""
+    sums = {}
+    for part, part_totals in enumerate(totals):
+        for k, v in model.train_held(part, len(totals), part_totals, objective).items():
+            sums[k] = sums.get(k, 0.0) + v
+    return sums
 
 
 def minibatch_totals(batch: Batch, dp: int, parts: int, mask_key: str = "response_mask") -> list[BatchTotals]:

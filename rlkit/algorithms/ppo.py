@@ -13,7 +13,7 @@ from omegaconf import MISSING
 from rlkit.algorithms import policy_gradient
 from rlkit.algorithms.advantages import explained_variance, gae_advantages, token_rewards, whiten
 from rlkit.algorithms.objectives import ValueRegression
-from rlkit.algorithms.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer
+from rlkit.algorithms.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer, train_minibatches
 from rlkit.algorithms.registry import AlgorithmSpec
 from rlkit.cluster.setup import start_critic
 from rlkit.config.schema import ConfigError
@@ -83,10 +83,7 @@ class PPO(PolicyGradientTrainer):
 
     def train_critic(self, totals: list[BatchTotals]) -> dict:
         """One critic optimizer step per mini-batch, like the policy's."""
-        sums = {}
-        for part, part_totals in enumerate(totals):
-            for k, v in self.critic.train_held(part, len(totals), part_totals, self.value_objective).items():
-                sums[k] = sums.get(k, 0.0) + v
+        sums = train_minibatches(self.critic, totals, self.value_objective)
         tokens = max(sum(t.num_tokens for t in totals), 1.0)
         out = {"critic/value_loss": sums["loss"] / len(totals), "critic/grad_norm": sums["grad_norm"] / len(totals),
                "critic/value_error": sums["value_error"] / tokens}

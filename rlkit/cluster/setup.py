@@ -11,6 +11,7 @@ from rlkit.cluster.placement import Placement, plan_placement
 from rlkit.cluster.ray_runtime import device_kind, join_or_start_ray
 from rlkit.cluster.worker_group import WorkerGroup, rendezvous_address
 from rlkit.config.schema import RootConfig
+from rlkit.workers.policy.megatron import MegatronModelWorker
 
 
 @dataclass
@@ -92,8 +93,6 @@ def start_critic(cfg: RootConfig, workers: RunWorkers, model_dir: str) -> ModelW
 
 def _megatron_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, placement, device: str,
                     head: str) -> WorkerGroup:
-    from rlkit.workers.policy.megatron import MegatronModelWorker
-
     c = cfg.cluster
     master_addr, master_port = rendezvous_address(pg, placement.policy_bundles[0])
     return WorkerGroup(
