@@ -9,6 +9,7 @@ from omegaconf import MISSING
 
 from rlkit.algorithms.loop import RunContext, TrainingData
 from rlkit.algorithms.losses import DPO_LOSS_TYPES, DPOLossConfig
+from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
 from rlkit.algorithms.objectives import DirectPreference
 from rlkit.algorithms.registry import AlgorithmSpec
 from rlkit.algorithms.sft import SFT, validate_file_data
@@ -48,9 +49,9 @@ class DPO(SFT):
 
     def __init__(self, ctx: RunContext):
         cfg, policy = ctx.cfg, ctx.workers.policy
-        policy.set_learning_rate(cfg.policy.optimizer.lr)
         super().__init__(cfg, policy, ctx.tokenizer.pad_token_id, ctx.data.val, pack=False,
-                         rows_per_step=cfg.policy.train_global_batch_size // 2)
+                         rows_per_step=cfg.policy.train_global_batch_size // 2,
+                         lr=schedule_of(cfg.policy.optimizer, cfg.algorithm.num_steps))
         a = cfg.algorithm
         self.objective = DirectPreference(DPOLossConfig(a.beta, a.label_smoothing, a.loss_type, a.sft_weight))
         policy.init_reference(str(ctx.start_dir))
@@ -71,8 +72,9 @@ class DPO(SFT):
 
     def step(self, pairs: list, step: int) -> dict:
         totals = self.hold(pairs)
+        lr = self.set_learning_rate(step)
         m = self.policy.train_held(0, 1, totals, self.objective)
-        return {"train/grad_norm": m["grad_norm"], **self.pair_metrics("train", m, totals)}
+        return {**lr, "train/grad_norm": m["grad_norm"], **self.pair_metrics("train", m, totals)}
 
     def validate(self) -> dict:
         """The training objective and its per-pair metrics on the validation pairs."""
@@ -95,9 +97,9 @@ class DPO(SFT):
 def warm_start_on_chosen(cfg: RootConfig, policy, tokenizer, data: TrainingData, out_dir) -> None:
     """SFT on the chosen responses (packed) before DPO."""
     w = cfg.algorithm.warm_start
-    sft = SFT(cfg, policy, tokenizer.pad_token_id, [], pack=True, rows_per_step=w.batch_size)
+    sft = SFT(cfg, policy, tokenizer.pad_token_id, [], pack=True, rows_per_step=w.batch_size,
+              lr=LearningRateSchedule(w.lr, w.sft_steps))
     chosen = ShuffledStream([(ids, mask) for ids, mask, _, _ in data.train], w.batch_size, cfg.run.seed)
-    policy.set_learning_rate(w.lr)
     for step in range(1, w.sft_steps + 1):
         loss = sft.step(next(chosen), step)["train/loss"]
         if step % 10 == 0 or step == w.sft_steps:

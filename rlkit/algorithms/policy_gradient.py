@@ -17,6 +17,7 @@ from omegaconf import MISSING
 from rlkit.algorithms.episodes import Episodes, run_episodes
 from rlkit.algorithms.loop import RunContext, TrainingData
 from rlkit.algorithms.losses import LOSS_AGGREGATIONS, ClippedPolicyLossConfig
+from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
 from rlkit.algorithms.objectives import PolicyGradient
 from rlkit.algorithms.warm_start import sft_steps
 from rlkit.cluster.groups import ModelWorkers
@@ -115,7 +116,8 @@ class PolicyGradientTrainer:
             a.clip_low, a.clip_high, a.kl_coef if self.kl_in_loss else 0.0, a.loss_aggregation))
         self.sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, seed=cfg.run.seed)
         self.policy.set_temperature(g.temperature or 1.0)
-        self.policy.set_learning_rate(cfg.policy.optimizer.lr)
+        self.minibatches = a.prompts_per_step * a.group_size // cfg.policy.train_global_batch_size
+        self.lr = schedule_of(cfg.policy.optimizer, a.num_steps * self.minibatches)
         if a.kl_coef > 0:  # the KL anchor: the weights the run started from (after any warm start)
             self.policy.init_reference(str(ctx.start_dir))
         self.critic = self.start_critic(ctx)
@@ -139,8 +141,7 @@ class PolicyGradientTrainer:
                 self.generation.sleep()  # colocated: give the memory back to the policy
             rewards, summary = episodes.rewards, episodes.summary("train")
             with timer("logprobs"):
-                parts = len(episodes.batch) // self.cfg.policy.train_global_batch_size
-                totals = minibatch_totals(episodes.batch, self.policy.layout.dp_size, parts)
+                totals = minibatch_totals(episodes.batch, self.policy.layout.dp_size, self.minibatches)
                 self.hold(episodes.batch)
                 del episodes  # the token tensors have left the controller: only rewards and metrics stay
                 agreement = agreement_metrics(self.policy.forward_held("old_logprobs"))
@@ -149,7 +150,7 @@ class PolicyGradientTrainer:
             with timer("advantages"):
                 advantage_metrics = self.algorithm.estimator(self, rewards)
             with timer("train"):
-                train_metrics = self.train(totals)
+                train_metrics = self.train(totals, (step - 1) * self.minibatches)
                 self.refit.stale = True
         return {**summary, **advantage_metrics, **train_metrics, **refit_metrics, **timer.seconds, **agreement}
 
@@ -161,12 +162,13 @@ class PolicyGradientTrainer:
     def hold(self, rollout: Batch) -> None:
         self.policy.hold(rollout)
 
-    def train(self, totals: list[BatchTotals]) -> dict:
+    def train(self, totals: list[BatchTotals], first_optimizer_step: int) -> dict:
         """One optimizer step per mini-batch of policy.train_global_batch_size samples: part i of
         every held shard (totals[i] counts that mini-batch over all shards)."""
-        sums = train_minibatches(self.policy, totals, self.objective)
+        sums = train_minibatches(self.policy, totals, self.objective, self.lr, first_optimizer_step)
         tokens = max(sum(t.num_tokens for t in totals), 1.0)
         out = {"train/loss": sums["loss"] / len(totals), "train/grad_norm": sums["grad_norm"] / len(totals),
+               "train/lr": sums["lr"],
                "train/clip_fraction": sums["clipped_tokens"] / tokens, "train/entropy": sums["entropy"] / tokens}
         if "kl" in sums:
             out["train/kl"] = sums["kl"] / tokens
@@ -194,11 +196,15 @@ class PolicyGradientTrainer:
         self.envs.shutdown()
 
 
-def train_minibatches(model: ModelWorkers, totals: list[BatchTotals], objective) -> dict:
+def train_minibatches(model: ModelWorkers, totals: list[BatchTotals], objective, lr: LearningRateSchedule,
+                      first_optimizer_step: int) -> dict:
     """One optimizer step of `model` per mini-batch (part i of every held shard, counted by
-    totals[i]); the metric sums added over the mini-batches."""
+    totals[i]), each at its step's learning rate; the metric sums added over the mini-batches,
+    and the last learning rate."""
     sums = {}
     for part, part_totals in enumerate(totals):
+        sums["lr"] = lr(first_optimizer_step + part)
+        model.set_learning_rate(sums["lr"])
         for k, v in model.train_held(part, len(totals), part_totals, objective).items():
             sums[k] = sums.get(k, 0.0) + v
     return sums

@@ -12,6 +12,7 @@ from omegaconf import MISSING
 
 from rlkit.algorithms import policy_gradient
 from rlkit.algorithms.advantages import explained_variance, gae_advantages, token_rewards, whiten
+from rlkit.algorithms.lr_schedule import schedule_of
 from rlkit.algorithms.objectives import ValueRegression
 from rlkit.algorithms.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer, train_minibatches
 from rlkit.algorithms.registry import AlgorithmSpec
@@ -70,22 +71,24 @@ def estimate(trainer: "PPO", rewards: torch.Tensor) -> dict:
 class PPO(PolicyGradientTrainer):
     def start_critic(self, ctx):
         """Initialised from the checkpoint the policy starts from (after any warm start)."""
-        critic = start_critic(ctx.cfg, ctx.workers, str(ctx.start_dir))
-        self.value_objective = ValueRegression(ctx.cfg.algorithm.critic.value_clip, ctx.cfg.algorithm.loss_aggregation)
+        critic, a = start_critic(ctx.cfg, ctx.workers, str(ctx.start_dir)), ctx.cfg.algorithm
+        self.value_objective = ValueRegression(a.critic.value_clip, a.loss_aggregation)
+        self.critic_lr = schedule_of(ctx.cfg.policy.optimizer, a.num_steps * self.minibatches, lr=a.critic.lr)
         return critic
 
     def hold(self, rollout: Batch) -> None:
         self.critic.hold(self.policy.hold(rollout))  # the same shards: stored once
 
-    def train(self, totals: list[BatchTotals]) -> dict:
+    def train(self, totals: list[BatchTotals], first_optimizer_step: int) -> dict:
         """The critic's step, then the policy's (timed together as timing/train)."""
-        return {**self.train_critic(totals), **super().train(totals)}
+        return {**self.train_critic(totals, first_optimizer_step), **super().train(totals, first_optimizer_step)}
 
-    def train_critic(self, totals: list[BatchTotals]) -> dict:
+    def train_critic(self, totals: list[BatchTotals], first_optimizer_step: int) -> dict:
         """One critic optimizer step per mini-batch, like the policy's."""
-        sums = train_minibatches(self.critic, totals, self.value_objective)
+        sums = train_minibatches(self.critic, totals, self.value_objective, self.critic_lr, first_optimizer_step)
         tokens = max(sum(t.num_tokens for t in totals), 1.0)
         out = {"critic/value_loss": sums["loss"] / len(totals), "critic/grad_norm": sums["grad_norm"] / len(totals),
+               "critic/lr": sums["lr"],
                "critic/value_error": sums["value_error"] / tokens}
         if "value_clipped_tokens" in sums:
             out["critic/clip_fraction"] = sums["value_clipped_tokens"] / tokens

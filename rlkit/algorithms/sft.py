@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from omegaconf import MISSING
 
 from rlkit.algorithms.loop import RunContext, TrainingData
+from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
 from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.algorithms.registry import AlgorithmSpec
 from rlkit.config.schema import ConfigError, RootConfig
@@ -36,16 +37,22 @@ def validate_file_data(cfg: RootConfig, dp: int) -> None:
 class SFT:
     """Examples are (input_ids, loss_mask) pairs, tokenized by load_examples."""
 
-    def __init__(self, cfg: RootConfig, policy, pad_id: int, val_examples: list, pack: bool, rows_per_step: int):
+    def __init__(self, cfg: RootConfig, policy, pad_id: int, val_examples: list, pack: bool, rows_per_step: int,
+                 lr: LearningRateSchedule):
         self.cfg, self.policy, self.pad_id, self.pack = cfg, policy, pad_id, pack
-        self.val_examples, self.rows_per_step = val_examples, rows_per_step
+        self.val_examples, self.rows_per_step, self.lr = val_examples, rows_per_step, lr
         self.objective = NextTokenNLL()
 
     @classmethod
     def from_context(cls, ctx: RunContext) -> "SFT":
-        ctx.workers.policy.set_learning_rate(ctx.cfg.policy.optimizer.lr)
         return cls(ctx.cfg, ctx.workers.policy, ctx.tokenizer.pad_token_id, ctx.data.val, ctx.cfg.data.pack,
-                   ctx.cfg.policy.train_global_batch_size)
+                   ctx.cfg.policy.train_global_batch_size, schedule_of(ctx.cfg.policy.optimizer, ctx.cfg.algorithm.num_steps))
+
+    def set_learning_rate(self, step: int) -> dict:
+        """One optimizer step per training step: step 1 trains at the schedule's step 0."""
+        lr = self.lr(step - 1)
+        self.policy.set_learning_rate(lr)
+        return {"train/lr": lr}
 
     def batch(self, examples: list) -> Batch:
         """Rows (packed if self.pack), padded with empty rows to a multiple of DP x micro-batch."""
@@ -54,9 +61,10 @@ class SFT:
 
     def step(self, examples: list, step: int) -> dict:
         batch = self.batch(examples)
+        lr = self.set_learning_rate(step)
         metrics = self.policy.train(batch, batch_totals(batch["loss_mask"]), self.objective)
         tokens = max(batch["loss_mask"].sum().item(), 1.0)
-        return {"train/loss": metrics["loss"], "train/grad_norm": metrics["grad_norm"],
+        return {**lr, "train/loss": metrics["loss"], "train/grad_norm": metrics["grad_norm"],
                 "train/entropy": metrics["entropy"] / tokens, "train/rows": len(batch),
                 "train/tokens_per_row": batch["segment_ids"].gt(0).sum().item() / len(batch)}
 

@@ -38,6 +38,9 @@ class OptimizerConfig:
     adam_beta2: float = MISSING
     adam_eps: float = MISSING
     clip_grad: float = MISSING
+    lr_schedule: str = MISSING
+    warmup_steps: int = MISSING
+    min_lr_ratio: float = MISSING
 
 
 @dataclass

@@ -11,6 +11,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from rlkit.algorithms.lr_schedule import SCHEDULES
 from rlkit.algorithms.registry import load_algorithm
 from rlkit.cluster.placement import PLACEMENTS
 from rlkit.config.schema import DATASETS, ConfigError, RootConfig
@@ -119,6 +120,11 @@ def validate(cfg: RootConfig) -> None:
         raise ConfigError(f"policy.num_workers: must be a multiple of policy.tensor_parallel_size x "
                           f"policy.pipeline_parallel_size = {model_parallel} (got: {p.num_workers}); "
                           f"set it to a multiple of {model_parallel}")
+    o = p.optimizer
+    _choice("policy.optimizer.lr_schedule", o.lr_schedule, SCHEDULES)
+    if o.lr <= 0 or o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"policy.optimizer.lr / warmup_steps / min_lr_ratio: need lr > 0, warmup_steps >= 0, "
+                          f"0 <= min_lr_ratio <= 1 (got: {o.lr}, {o.warmup_steps}, {o.min_lr_ratio}); e.g. 1e-6, 10, 0.1")
     dp = p.num_workers // model_parallel
     if p.train_global_batch_size % (dp * p.micro_batch_size):
         raise ConfigError(f"policy.train_global_batch_size: must be divisible by DP ({dp}) x "

@@ -6,7 +6,6 @@ import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoTokenizer
 
 from rlkit.algorithms.loop import RunContext, RunResult, run_steps
 from rlkit.algorithms.registry import load_algorithm
@@ -20,6 +19,7 @@ from rlkit.data.generation import SamplingParams
 from rlkit.data.stream import ShuffledStream
 from rlkit.launch.config import to_typed
 from rlkit.models.resolve import resolve_model_dir
+from rlkit.models.tokenizer import load_tokenizer
 from rlkit.observability.logprob_agreement import logprob_error
 from rlkit.observability.metrics import MetricsLogger
 from rlkit.refit.driver import RefitDriver
@@ -34,7 +34,7 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir)
     resume_from = checkpoints.to_resume()
     model_dir = resolve_model_dir(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     data = algorithm.load_data(cfg, tokenizer)
     start_dir, warm_dir = model_dir, None
     if algorithm.warm_start is not None:
@@ -66,7 +66,7 @@ def verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
     held-out prompts and compare the sampler's logprobs with the policy's on the same tokens."""
     _, val_set = arithmetic_splits(cfg.data)
     model_dir = resolve_model_dir(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     workers = start_workers(cfg, str(model_dir))
     try:
         workers.policy.set_temperature(cfg.generation.temperature or 1.0)

@@ -24,7 +24,8 @@ from rlkit.launch.run import train
 
 pytestmark = pytest.mark.integration
 RUN = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3", "algorithm.prompts_per_step=8",
-       "policy.train_global_batch_size=64", "algorithm.warm_start.sft_steps=4", "algorithm.kl_coef=0.01"]
+       "policy.train_global_batch_size=64", "algorithm.warm_start.sft_steps=4", "algorithm.kl_coef=0.01",
+       "policy.optimizer.lr_schedule=cosine", "policy.optimizer.warmup_steps=2", "policy.optimizer.min_lr_ratio=0.1"]
 
 
 def compared(metrics_file) -> dict[int, dict]:
@@ -76,6 +77,8 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, 
         "while checkpointing": lambda: checkpoints.is_dir() and any(".tmp-" in p.name for p in checkpoints.iterdir()),
         "after step 5": lambda: steps_logged(run_dir) >= 5,
     }
+    lrs = [reference_run[step]["train/lr"] for step in range(1, 7)]  # one optimizer step per step
+    assert lrs[0] < lrs[1] > lrs[2] > lrs[5] == pytest.approx(0.1 * lrs[1])  # warmup, then cosine decay
     for point, condition in kill_points.items():
         # the run is its own process group: SIGKILL takes the driver and the local Ray cluster it started
         process = subprocess.Popen(train_command(tmp_path, cache_dir), stdout=subprocess.DEVNULL,

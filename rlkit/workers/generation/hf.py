@@ -3,6 +3,7 @@
 import torch
 
 from rlkit.data.generation import Generations, SamplingParams
+from rlkit.models.tokenizer import load_tokenizer
 from rlkit.refit.plan import PackedBucket, RefitPlan, bucket_checksum
 from rlkit.refit.receiver import ObjectStoreReceiver
 from rlkit.workers.generation.base import GenerationWorker
@@ -13,13 +14,13 @@ class HFGenerationWorker(GenerationWorker):
     arrive only through refit, so a refit that misses a tensor is caught, not masked."""
 
     def __init__(self, model_dir: str, precision: str, threads: int, rank: int):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         torch.set_num_threads(threads)
         self.rank = rank
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self._params = dict(self.model.named_parameters())  # tied weights appear once, as the exporter sends them
         self.receiver = ObjectStoreReceiver(self._params, f"generation worker {rank}")
