@@ -1,12 +1,24 @@
-"""Math answer verifier: \\boxed{...} and GSM8K's `#### n`, numbers compared after normalisation
-(72.0 == 72, 1,000 == 1000, 0.5 == 1/2)."""
+"""Math answers checked with HF's math-verify: the model's final answer (the last \\boxed{...},
+else the text after the last `####`, as GSM8K writes it) against the ground truth, compared as
+mathematics (72.0 == 72, 1,000 == 1000, \\frac{1}{2} == 0.5, x^2+2x+1 == (x+1)^2, units and
+\\text{} dropped). A ground truth may be a whole GSM8K solution (its `#### n`) or a MATH one (its
+\\boxed{}).
 
+math-verify bounds its own work with signal.alarm, which only the main thread may use, and
+environments run in worker threads; so each call is bounded by the runner instead
+(env_runner.timeout_s: a stuck check is a recorded timeout, and its worker is replaced)."""
+
+import logging
 import re
-from fractions import Fraction
+
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 from rlkit.envs.base import EnvStep, Environment
 
+# it warns at every call that runs without its own timeout; the runner bounds calls here
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 _HASHES = re.compile(r"####\s*([^\n]+)")
+_EXTRACTION = [LatexExtractionConfig(), ExprExtractionConfig()]
 
 
 def extract_answer(text: str) -> str | None:
@@ -24,28 +36,31 @@ def extract_answer(text: str) -> str | None:
     return matches[-1].strip() if matches else None
 
 
-def normalize(answer: str) -> str:
-    """Canonical string: numbers (with thousands separators, trailing zeros, $ or %, simple
-    fractions) become their exact rational value; anything else is whitespace-collapsed."""
-    cleaned = answer.strip().strip("$").rstrip("%").replace(",", "").replace(" ", "")
-    cleaned = re.sub(r"^\\frac\{(-?\d+)\}\{(\d+)\}$", r"\1/\2", cleaned)
-    try:
-        return str(Fraction(cleaned))
-    except (ValueError, ZeroDivisionError):
-        return " ".join(answer.split())
+def _parsed(answer: str) -> list:
+    """math-verify's reading of one final answer (as inline math: `$...$`)."""
+    cleaned = answer.strip().strip("$").replace(",", "") if re.fullmatch(r"[\d,.$\s-]+", answer) else answer
+    return parse(f"${cleaned}$", _EXTRACTION, parsing_timeout=None)
 
 
 def answers_match(response: str, ground_truth: str) -> bool:
-    extracted = extract_answer(response)
-    return extracted is not None and normalize(extracted) == normalize(ground_truth)
+    """Whether the response's final answer (boxed or after `####`) equals the ground truth's."""
+    answer, truth = extract_answer(response), extract_answer(ground_truth) or ground_truth
+    if answer is None:
+        return False
+    gold, predicted = _parsed(truth), _parsed(answer)
+    return bool(gold and predicted) and verify(gold, predicted, timeout_seconds=None)
 
 
 class MathEnv(Environment):
-    """Single turn: reward 1 when the final answer matches metadata["answer"]."""
+    """Single turn: correct_reward when the final answer matches metadata["answer"], plus
+    format_reward for giving a final answer (boxed or after `####`) at all."""
 
-    def __init__(self, correct_reward: float = 1.0, wrong_reward: float = 0.0):
-        self.correct_reward, self.wrong_reward = correct_reward, wrong_reward
+    def __init__(self, correct_reward: float = 1.0, wrong_reward: float = 0.0, format_reward: float = 0.0):
+        self.correct_reward, self.wrong_reward, self.format_reward = correct_reward, wrong_reward, format_reward
 
     def step(self, messages: list[dict], metadata: dict) -> EnvStep:
-        correct = answers_match(messages[-1]["content"], str(metadata["answer"]))
-        return EnvStep(reward=self.correct_reward if correct else self.wrong_reward, done=True, correct=correct)
+        response = messages[-1]["content"]
+        correct = answers_match(response, str(metadata["answer"]))
+        formatted = self.format_reward if extract_answer(response) is not None else 0.0
+        return EnvStep(reward=(self.correct_reward if correct else self.wrong_reward) + formatted, done=True,
+                       correct=correct)

@@ -7,7 +7,7 @@ import pytest
 
 from rlkit.envs.arithmetic import ArithmeticEnv, GuessSumEnv
 from rlkit.envs.base import EnvStep, MalformedStepError, as_env_step, check_environment_config, load_environment
-from rlkit.envs.math_answers import MathEnv, answers_match, extract_answer, normalize
+from rlkit.envs.math_answers import MathEnv, answers_match, extract_answer
 from rlkit.envs.runner import safe_step
 
 
@@ -28,21 +28,37 @@ def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
-@pytest.mark.parametrize("a, b", [("72.0", "72"), ("1,000", "1000"), ("$1,000.00", "1000"), ("50%", "50"),
-                                  ("\\frac{1}{2}", "0.5"), ("-3", "-3.0"), (" x + 1 ", "x + 1")])
-def test_normalize_equal(a, b):
-    assert normalize(a) == normalize(b)
+# math-verify compares final answers as mathematics
+EQUAL = [("thus \\boxed{72.0}", "72"), ("#### 1,000", "1000"), ("\\boxed{\\$1,000.00}", "1000"),
+         ("\\boxed{\\frac{1}{2}}", "0.5"), ("\\boxed{0.5}", "\\frac{1}{2}"), ("\\boxed{-3}", "-3.0"),
+         ("\\boxed{x^2+2x+1}", "(x+1)^2"), ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}"),
+         ("\\boxed{3 \\text{ apples}}", "3"),
+         ("#### 18", "She sells 16 - 3 - 4 = 9 eggs at $2: 9 * 2 = 18\n#### 18"),  # a whole GSM8K solution
+         ("\\boxed{10}", "so the total is \\boxed{10}.")]  # a whole MATH solution
+# wrong answers that look right
+DIFFERENT = [("\\boxed{12}", "21"), ("I first get 12, then \\boxed{13}", "12"), ("\\boxed{1.0001}", "1"),
+             ("\\boxed{71}", "72"), ("\\boxed{-3}", "3"), ("\\boxed{2\\pi}", "6.28"),
+             ("the answer is 72", "72"),  # no final answer given: nothing to compare
+             ("#### 5\nthen \\boxed{6}", "5")]  # the boxed answer is the final one
 
 
-def test_normalize_different():
-    assert normalize("72") != normalize("72.5")
-    assert not answers_match("\\boxed{71}", "72")
+@pytest.mark.parametrize("response, truth", EQUAL)
+def test_equal_answers_match(response, truth):
+    assert answers_match(response, truth)
+
+
+@pytest.mark.parametrize("response, truth", DIFFERENT)
+def test_wrong_answers_that_look_right_do_not_match(response, truth):
+    assert not answers_match(response, truth)
 
 
 def test_math_env():
     env = MathEnv()
     assert env.step(conversation("q", "thus \\boxed{72.0}"), {"answer": "72"}) == EnvStep(1.0, True, correct=True)
     assert env.step(conversation("q", "#### 7"), {"answer": 8}) == EnvStep(0.0, True, correct=False)
+    formatted = MathEnv(format_reward=0.1)
+    assert formatted.step(conversation("q", "#### 7"), {"answer": 8}) == EnvStep(0.1, True, correct=False)
+    assert formatted.step(conversation("q", "7"), {"answer": 7}) == EnvStep(0.0, True, correct=False)
 
 
 def test_arithmetic_env_exact_integer():
