@@ -203,8 +203,8 @@ class ChannelThread:
         while True:
             try:
                 channel = connect_to_sender(self.address, self.name, self.timeout_s)
-            except OSError:
-                return  # nobody listens any more: the policy worker is gone
+            except (OSError, RuntimeError):
+                return  # nobody listens any more (or it closed on us at once): the sender is gone
             try:
                 self._serve_refits(channel)
                 return  # the sender closed the channel for good
