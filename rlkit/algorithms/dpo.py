@@ -11,7 +11,7 @@ from rlkit.algorithms.loop import RunContext, TrainingData
 from rlkit.algorithms.losses import DPO_LOSS_TYPES, DPOLossConfig
 from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
 from rlkit.algorithms.objectives import DirectPreference
-from rlkit.algorithms.registry import AlgorithmSpec
+from rlkit.algorithms.registry import AlgorithmConfig, AlgorithmSpec
 from rlkit.algorithms.sft import SFT, validate_file_data
 from rlkit.algorithms.warm_start import validate_warm_start
 from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig
@@ -25,10 +25,7 @@ log = logging.getLogger("rlkit")
 
 
 @dataclass
-class DPOConfig:
-    name: str = MISSING
-    num_steps: int = MISSING
-    val_every: int = MISSING
+class DPOConfig(AlgorithmConfig):
     beta: float = MISSING
     label_smoothing: float = MISSING
     loss_type: str = MISSING

@@ -19,6 +19,7 @@ from rlkit.algorithms.loop import RunContext, TrainingData
 from rlkit.algorithms.losses import LOSS_AGGREGATIONS, ClippedPolicyLossConfig
 from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
 from rlkit.algorithms.objectives import PolicyGradient
+from rlkit.algorithms.registry import AlgorithmConfig
 from rlkit.algorithms.warm_start import sft_steps
 from rlkit.cluster.groups import ModelWorkers
 from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig
@@ -32,18 +33,15 @@ from rlkit.refit.driver import RefitDriver
 
 
 @dataclass
-class PolicyGradientConfig:
+class PolicyGradientConfig(AlgorithmConfig):
     """What every RL algorithm shares: rollouts, advantages, the clipped policy loss."""
 
-    name: str = MISSING
-    num_steps: int = MISSING
     prompts_per_step: int = MISSING
     group_size: int = MISSING
     clip_low: float = MISSING
     clip_high: float = MISSING
     kl_coef: float = MISSING
     loss_aggregation: str = MISSING
-    val_every: int = MISSING
     val_greedy: bool = MISSING
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 

@@ -13,9 +13,20 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from omegaconf import MISSING
+
 from rlkit.config.schema import ConfigError, RootConfig
 
 BUILTIN = ("grpo", "rloo", "reinforce_pp", "ppo", "sft", "dpo")
+
+
+@dataclass
+class AlgorithmConfig:
+    """The keys every algorithm has (the loop reads them); an algorithm's config extends it."""
+
+    name: str = MISSING
+    num_steps: int = MISSING
+    val_every: int = MISSING
 
 
 def no_checks(cfg: RootConfig, dp: int) -> None:

@@ -3,12 +3,10 @@ step = one optimizer step on policy.train_global_batch_size examples (packed if 
 
 from dataclasses import dataclass
 
-from omegaconf import MISSING
-
 from rlkit.algorithms.loop import RunContext, TrainingData
 from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
 from rlkit.algorithms.objectives import NextTokenNLL
-from rlkit.algorithms.registry import AlgorithmSpec
+from rlkit.algorithms.registry import AlgorithmConfig, AlgorithmSpec
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.data.packing import pack_sequences, pad_rows
@@ -17,10 +15,8 @@ from rlkit.data.synthetic import write_arithmetic_sft
 
 
 @dataclass
-class SFTConfig:
-    name: str = MISSING
-    num_steps: int = MISSING
-    val_every: int = MISSING
+class SFTConfig(AlgorithmConfig):
+    pass
 
 
 def load_examples(cfg: RootConfig, tokenizer) -> TrainingData:
