@@ -1,7 +1,9 @@
 """Episodes: generation and environment steps alternate until every episode is done.
 
 Only model-generated tokens are trained on: environment observations are appended to the
-sequence with response_mask 0. Single-turn is the same loop with env_runner.max_turns = 1.
+sequence with response_mask 0, rendered as the prompts were (PromptRenderer), and the model's
+tokens are kept as generated, never re-tokenized. Single-turn is the same loop with
+env_runner.max_turns = 1.
 """
 
 from dataclasses import dataclass, field
@@ -12,6 +14,7 @@ from rlkit.cluster.groups import GenerationWorkers
 from rlkit.config.schema import EnvRunnerConfig
 from rlkit.data.batch import Batch, right_pad
 from rlkit.data.generation import SamplingParams
+from rlkit.data.prompts import Prompt, PromptRenderer
 from rlkit.envs.runner import EnvironmentPool
 from rlkit.observability.metrics import PhaseTimer
 
@@ -45,13 +48,14 @@ class Episodes:
                 f"{split}/response_length": self.batch["response_mask"].sum(1).mean().item(), **self.metrics}
 
 
-def run_episodes(rows: list[dict], tokenizer, generation: GenerationWorkers, envs: EnvironmentPool,
-                 params: SamplingParams, cfg: EnvRunnerConfig, timer: PhaseTimer | None = None) -> Episodes:
+def run_episodes(prompts: list[Prompt], renderer: PromptRenderer, generation: GenerationWorkers,
+                 envs: EnvironmentPool, params: SamplingParams, cfg: EnvRunnerConfig,
+                 timer: PhaseTimer | None = None) -> Episodes:
     """timer, if given, accumulates the "generate" and "reward" (environment) phases over turns."""
-    timer = timer or PhaseTimer()
-    episodes = [Episode(token_ids=(ids := tokenizer(r["prompt"])["input_ids"]), trained=[False] * len(ids),
-                        logprobs=[0.0] * len(ids), messages=[{"role": "user", "content": r["prompt"]}],
-                        metadata={k: v for k, v in r.items() if k != "prompt"}) for r in rows]
+    timer, tokenizer = timer or PhaseTimer(), renderer.tokenizer
+    episodes = [Episode(token_ids=list(p.token_ids), trained=[False] * len(p.token_ids),
+                        logprobs=[0.0] * len(p.token_ids), messages=list(p.messages), metadata=p.metadata)
+                for p in prompts]
     failures: dict[str, int] = {}
     for turn in range(cfg.max_turns):
         active = [e for e in episodes if not e.done]
@@ -74,14 +78,13 @@ def run_episodes(rows: list[dict], tokenizer, generation: GenerationWorkers, env
             steps, counts = envs.step([(e.messages, e.metadata) for e in active])
         for key, value in counts.items():
             failures[key] = failures.get(key, 0) + value
-        for episode, step in zip(active, steps):
+        for episode, step, generated in zip(active, steps, out.token_ids):
             episode.reward += step.reward
             episode.correct = step.correct if step.correct is not None else episode.correct
             out_of_budget = turn == cfg.max_turns - 1 or episode.generated >= cfg.max_total_tokens
             episode.done = step.done or out_of_budget
             if not episode.done:
-                text = cfg.observation_format.format(observation=step.observation)
-                obs_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                obs_ids = renderer.observation_ids(generated, step.observation)
                 episode.token_ids += obs_ids
                 episode.trained += [False] * len(obs_ids)
                 episode.logprobs += [0.0] * len(obs_ids)

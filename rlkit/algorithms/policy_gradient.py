@@ -23,9 +23,9 @@ from rlkit.algorithms.registry import AlgorithmConfig
 from rlkit.algorithms.warm_start import sft_steps
 from rlkit.cluster.groups import ModelWorkers
 from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig
-from rlkit.data.arithmetic import arithmetic_splits
 from rlkit.data.batch import Batch, BatchTotals, batch_totals
 from rlkit.data.generation import SamplingParams
+from rlkit.data.prompts import Prompt, PromptRenderer, load_prompt_splits
 from rlkit.envs.runner import EnvironmentPool
 from rlkit.observability.logprob_agreement import agreement_metrics
 from rlkit.observability.metrics import PhaseTimer
@@ -47,8 +47,15 @@ class PolicyGradientConfig(AlgorithmConfig):
 
 
 def load_prompts(cfg: RootConfig, tokenizer) -> TrainingData:
-    train, val = arithmetic_splits(cfg.data)
-    return TrainingData(train, val)
+    """Prompts rendered to token ids (rlkit/data/prompts.py); environment turns are rendered the
+    same way (env_runner.observation_format for raw text)."""
+    renderer = PromptRenderer.of(tokenizer, cfg.data, cfg.env_runner.observation_format)
+    if cfg.env_runner.max_turns > 1:
+        try:  # a template that cannot take appended turns fails here, before any worker starts
+            renderer.observation_ids([], "probe")
+        except ValueError as e:
+            raise ConfigError(f"data.chat_template: {e}") from None
+    return TrainingData(*load_prompt_splits(cfg.data, renderer))
 
 
 def warm_start_on_answers(cfg: RootConfig, policy, tokenizer, data: TrainingData, out_dir) -> None:
@@ -105,7 +112,8 @@ class PolicyGradientTrainer:
 
     def __init__(self, ctx: RunContext):
         cfg, workers = ctx.cfg, ctx.workers
-        self.cfg, self.algorithm, self.tokenizer, self.val_rows = cfg, ctx.algorithm, ctx.tokenizer, ctx.data.val
+        self.cfg, self.algorithm, self.val_rows = cfg, ctx.algorithm, ctx.data.val
+        self.renderer = PromptRenderer.of(ctx.tokenizer, cfg.data, cfg.env_runner.observation_format)
         self.policy, self.generation = workers.policy, workers.generation
         self.rows_per_step = cfg.algorithm.prompts_per_step
         a, g = cfg.algorithm, cfg.generation
@@ -128,7 +136,7 @@ class PolicyGradientTrainer:
         """PPO adds its critic here."""
         return None
 
-    def step(self, rows: list[dict], step: int) -> dict:
+    def step(self, rows: list[Prompt], step: int) -> dict:
         a, timer = self.cfg.algorithm, PhaseTimer()
         with timer("step"):
             with timer("refit"):
@@ -152,10 +160,10 @@ class PolicyGradientTrainer:
                 self.refit.stale = True
         return {**summary, **advantage_metrics, **train_metrics, **refit_metrics, **timer.seconds, **agreement}
 
-    def episodes(self, rows: list[dict], params: SamplingParams, timer: PhaseTimer | None = None) -> Episodes:
+    def episodes(self, prompts: list[Prompt], params: SamplingParams, timer: PhaseTimer | None = None) -> Episodes:
         """Generation and environment turns until every episode is done; timer accumulates the
         generate and reward phases over the turns."""
-        return run_episodes(rows, self.tokenizer, self.generation, self.envs, params, self.cfg.env_runner, timer)
+        return run_episodes(prompts, self.renderer, self.generation, self.envs, params, self.cfg.env_runner, timer)
 
     def hold(self, rollout: Batch) -> None:
         self.policy.hold(rollout)

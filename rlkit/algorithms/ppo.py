@@ -118,7 +118,7 @@ def validate(cfg, dp: int) -> None:
 
 
 ALGORITHM = AlgorithmSpec(
-    name="ppo", config=PPOConfig, data="arithmetic", load_data=policy_gradient.load_prompts, trainer=PPO,
+    name="ppo", config=PPOConfig, data="prompts", load_data=policy_gradient.load_prompts, trainer=PPO,
     rollouts=True, critic=True, warm_start=policy_gradient.warm_start_on_answers,
     uses_reference=lambda a: a.kl_coef > 0, validate=validate,
     estimator=estimate, kl_in_loss=lambda a: a.kl_mode == "loss")

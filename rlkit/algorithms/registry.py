@@ -37,7 +37,7 @@ def no_checks(cfg: RootConfig, dp: int) -> None:
 class AlgorithmSpec:
     name: str
     config: type  # dataclass of the algorithm.* keys (defaults live in its YAML)
-    data: str  # the data group it reads (data.name): "arithmetic", "sft_files", "preference_files"
+    data: str  # the data group it reads (data.name): "prompts", "sft_files", "preference_files"
     load_data: Callable  # (cfg, tokenizer) -> TrainingData (rlkit/algorithms/loop.py)
     trainer: Callable  # (RunContext) -> Trainer (rlkit/algorithms/loop.py)
     validate: Callable[[RootConfig, int], None] = no_checks  # its own cross-key checks, given the DP size

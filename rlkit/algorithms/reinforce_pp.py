@@ -44,7 +44,7 @@ def estimate(trainer: PolicyGradientTrainer, rewards: torch.Tensor) -> dict:
 
 
 ALGORITHM = AlgorithmSpec(
-    name="reinforce_pp", config=ReinforcePPConfig, data="arithmetic", load_data=policy_gradient.load_prompts,
+    name="reinforce_pp", config=ReinforcePPConfig, data="prompts", load_data=policy_gradient.load_prompts,
     trainer=PolicyGradientTrainer, rollouts=True, warm_start=policy_gradient.warm_start_on_answers,
     uses_reference=lambda a: a.kl_coef > 0,
     validate=lambda cfg, dp: policy_gradient.validate(cfg, dp, min_group_size=2 if cfg.algorithm.baseline else 1),

@@ -15,7 +15,7 @@ class RLOOConfig(PolicyGradientConfig):
 
 
 ALGORITHM = AlgorithmSpec(
-    name="rloo", config=RLOOConfig, data="arithmetic", load_data=policy_gradient.load_prompts,
+    name="rloo", config=RLOOConfig, data="prompts", load_data=policy_gradient.load_prompts,
     trainer=PolicyGradientTrainer, rollouts=True, warm_start=policy_gradient.warm_start_on_answers,
     uses_reference=lambda a: a.kl_coef > 0,
     validate=lambda cfg, dp: policy_gradient.validate(cfg, dp, min_group_size=2),

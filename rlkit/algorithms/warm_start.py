@@ -17,14 +17,16 @@ log = logging.getLogger("rlkit")
 
 def sft_steps(policy: ModelWorkers, tokenizer, dataset, steps: int, batch_size: int, lr: float,
               seed: int) -> list[float]:
-    """`steps` optimizer steps of NLL on answer + EOS tokens. Returns the loss of each step."""
+    """`steps` optimizer steps of NLL on the ground-truth answer + EOS after each prompt's tokens
+    (dataset: Prompts, rlkit/data/prompts.py). Returns the loss of each step."""
     rows = ShuffledStream(dataset, batch_size, seed)
     policy.set_learning_rate(lr)
     losses = []
     for step in range(1, steps + 1):
         batch_rows = next(rows)
-        prompts = [tokenizer(r["prompt"])["input_ids"] for r in batch_rows]
-        targets = [tokenizer(r["answer"])["input_ids"] + [tokenizer.eos_token_id] for r in batch_rows]
+        prompts = [p.token_ids for p in batch_rows]
+        targets = [tokenizer(str(p.metadata["answer"]), add_special_tokens=False)["input_ids"]
+                   + [tokenizer.eos_token_id] for p in batch_rows]
         batch = supervised_batch(prompts, targets, tokenizer.pad_token_id)
         losses.append(policy.train(batch, batch_totals(batch["loss_mask"]), NextTokenNLL())["loss"])
         if step % 10 == 0 or step == steps:

@@ -115,8 +115,30 @@ class ArithmeticSetConfig:
 
 
 @dataclass
-class ArithmeticDataConfig(ArithmeticSetConfig):
+class SyntheticSetConfig(ArithmeticSetConfig):
+    """A prompt set generated offline: arithmetic ("12+7=") or GSM8K-format word problems."""
+
+    kind: str = MISSING
+
+
+@dataclass
+class PromptDataConfig:
+    """RL prompts from files or the hub, each row mapped to a prompt and a ground truth."""
+
     name: str = MISSING
+    train_path: str = MISSING
+    val_path: Optional[str] = MISSING
+    subset: Optional[str] = MISSING
+    train_split: str = MISSING
+    val_split: str = MISSING
+    val_size: Optional[int] = MISSING
+    prompt_field: str = MISSING
+    answer_field: Optional[str] = MISSING
+    max_prompt_tokens: int = MISSING
+    chat_template: bool = MISSING
+    system_prompt: Optional[str] = MISSING
+    prompt_format: str = MISSING
+    synthetic: Optional[SyntheticSetConfig] = None
 
 
 @dataclass
@@ -134,7 +156,7 @@ class SFTDataConfig(FileDataConfig):
 
 
 # data.name -> its schema
-DATASETS = {"arithmetic": ArithmeticDataConfig, "sft_files": SFTDataConfig, "preference_files": FileDataConfig}
+DATASETS = {"prompts": PromptDataConfig, "sft_files": SFTDataConfig, "preference_files": FileDataConfig}
 
 
 @dataclass

@@ -10,42 +10,13 @@ import logging
 import os
 from pathlib import Path
 
-import datasets
-
 from rlkit.config.schema import ConfigError
 from rlkit.data.arithmetic import arithmetic_splits
+from rlkit.data.files import load_rows
 
 log = logging.getLogger("rlkit")
 
-LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 ROLES = ("system", "user", "assistant", "tool")
-
-
-def load_rows(source: str, split: str = "train") -> list[dict]:
-    """All rows of a local .json/.jsonl/.parquet file, a local dataset folder, or a hub dataset."""
-    path = Path(source).expanduser()
-    loader = LOCAL_LOADERS.get(path.suffix.lower())
-    looks_local = loader is not None or source.startswith(("/", "./", "../", "~"))
-    if looks_local and not path.exists():
-        raise FileNotFoundError(f"{source}: no such file; check the path (it is read as a local data file)")
-    if path.is_file():
-        if loader is None:
-            raise ValueError(f"{source}: unsupported file type '{path.suffix}'; give a .json, .jsonl or .parquet file")
-        try:
-            dataset = datasets.load_dataset(loader, data_files=str(path), split="train")
-        except Exception as e:
-            raise ValueError(f"{source}: could not be read as {loader} ({type(e).__name__}: {e}); "
-                             f"fix the file so every row is a record with the same fields") from e
-    else:
-        try:
-            dataset = datasets.load_dataset(str(path) if path.is_dir() else source, split=split)
-        except Exception as e:
-            raise ValueError(f"{source}: not a local file, and loading it as a Hugging Face hub dataset "
-                             f"(split '{split}') failed ({type(e).__name__}: {e}); give a local .json, .jsonl "
-                             f"or .parquet file, or run where the hub is reachable") from e
-    if len(dataset) == 0:
-        raise ValueError(f"{source}: has no rows; give a file with at least one row")
-    return dataset.to_list()
 
 
 def tokenize_sft_row(tokenizer, row: dict, where: str) -> tuple[list[int], list[int]]:

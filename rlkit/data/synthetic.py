@@ -1,11 +1,11 @@
 """Arithmetic rows ({"prompt": "12+7=", "answer": "19"}) written as SFT / preference jsonl files,
 so recipes and tests read them through `datasets` exactly like user data."""
 
-import json
 import os
 import random
-import tempfile
 from pathlib import Path
+
+from rlkit.data.files import write_jsonl
 
 
 def write_arithmetic_sft(path: str | os.PathLike, rows: list[dict], chat: bool) -> Path:
@@ -15,7 +15,8 @@ def write_arithmetic_sft(path: str | os.PathLike, rows: list[dict], chat: bool) 
                                  {"role": "assistant", "content": r["answer"]}]} for r in rows]
     else:
         records = [{"prompt": r["prompt"], "response": r["answer"]} for r in rows]
-    return _write_jsonl(path, records)
+    write_jsonl(path, records)
+    return Path(path)
 
 
 def write_arithmetic_preferences(path: str | os.PathLike, rows: list[dict], seed: int) -> Path:
@@ -24,19 +25,5 @@ def write_arithmetic_preferences(path: str | os.PathLike, rows: list[dict], seed
     rng = random.Random(seed)
     records = [{"prompt": r["prompt"], "chosen": r["answer"],
                 "rejected": str(int(r["answer"]) + rng.choice([-3, -2, -1, 1, 2, 3]))} for r in rows]
-    return _write_jsonl(path, records)
-
-
-def _write_jsonl(path: str | os.PathLike, records: list[dict]) -> Path:
-    """Write to a temporary file beside `path`, then rename it over `path`: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.writelines(json.dumps(record) + "\n" for record in records)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+    write_jsonl(path, records)
+    return Path(path)

@@ -37,4 +37,5 @@ class GuessSumEnv(Environment):
         if guess == secret:
             return EnvStep(reward=self.turn_discount ** (turn - 1), done=True, correct=True)
         feedback = "a number please" if guess is None else ("higher" if guess < secret else "lower")
-        return EnvStep(reward=0.0, done=False, observation=f" {feedback}\n{messages[0]['content']}", correct=False)
+        question = next(m["content"] for m in messages if m["role"] == "user")
+        return EnvStep(reward=0.0, done=False, observation=f" {feedback}\n{question}", correct=False)

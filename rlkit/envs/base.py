@@ -5,7 +5,8 @@ Subclass `Environment` and implement `step`, or write a plain function
 `env._target_=<importable path>`; the other `env.*` keys are passed to the constructor.
 
 `step(messages, metadata)` gets the conversation so far (OpenAI-style dicts; the last one is the
-model's latest answer) and the sample's metadata (every dataset field except "prompt"), and
+model's latest answer) and the sample's metadata (every field of its dataset row except the
+prompt; the ground truth, data.answer_field, also under "answer"), and
 returns an EnvStep. A multi-turn episode continues while `done` is False: `observation` becomes
 the next user turn. Rewards of all turns are summed.
 """

@@ -14,12 +14,15 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from rlkit.algorithms.lr_schedule import SCHEDULES
 from rlkit.algorithms.registry import load_algorithm
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.config.schema import DATASETS, ConfigError, RootConfig
+from rlkit.config.schema import DATASETS, ConfigError, PromptDataConfig, RootConfig
 from rlkit.envs.base import check_environment_config
 from rlkit.models.tiny import ARCHITECTURES, TINY_HEADS, parse_tiny
 from rlkit.refit.driver import TRANSPORTS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# data.name -> config groups of that kind, for error messages
+DATA_GROUPS = {"prompts": "data=arithmetic, gsm8k, math, word_problems or prompt_files",
+               "sft_files": "data=arithmetic_sft", "preference_files": "data=arithmetic_preferences"}
 CONFIG_GROUPS_DIR = REPO_ROOT / "configs"
 RECIPES_DIR = REPO_ROOT / "recipes"
 
@@ -103,8 +106,10 @@ def validate(cfg: RootConfig) -> None:
     if algorithm.rollouts:
         _validate_rollout_choices(cfg)
     if cfg.data.name != algorithm.data:
-        raise ConfigError(f"data.name: algorithm {a.name} trains on data={algorithm.data} (got: {cfg.data.name!r}); "
-                          f"use data={algorithm.data} or a group of that kind")
+        raise ConfigError(f"data.name: algorithm {a.name} trains on data of kind {algorithm.data!r} (got: "
+                          f"{cfg.data.name!r}); select a group of that kind: {DATA_GROUPS[algorithm.data]}")
+    if cfg.data.name == "prompts":
+        _validate_prompts(cfg.data)
     arch = parse_tiny(p.model_path)
     if p.model_path.startswith("tiny://") and arch not in ARCHITECTURES:
         raise ConfigError(f"policy.model_path: tiny model '{p.model_path}' is unknown; use one of "
@@ -148,6 +153,23 @@ def validate(cfg: RootConfig) -> None:
                           f"{cfg.checkpoint.keep_last}); 0 means only at the end / keep all")
     if algorithm.rollouts:
         _validate_environment(cfg)
+
+
+def _validate_prompts(d: PromptDataConfig) -> None:
+    try:
+        d.prompt_format.format(prompt="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"data.prompt_format: must be a template with {{prompt}} and no other fields (got: "
+                          f"{d.prompt_format!r}: {type(e).__name__} {e}); write literal braces as {{{{ }}}}") from None
+    if "{prompt}" not in d.prompt_format:
+        raise ConfigError(f"data.prompt_format: must contain {{prompt}} (got: {d.prompt_format!r})")
+    if d.system_prompt is not None and not d.chat_template:
+        raise ConfigError("data.system_prompt: needs data.chat_template=true (raw prompts have no system turn); "
+                          "set data.system_prompt=null or data.chat_template=true")
+    _positive(("data.max_prompt_tokens", d.max_prompt_tokens), *([("data.val_size", d.val_size)] if d.val_size else []))
+    if d.val_size == 0:
+        raise ConfigError("data.val_size: must be >= 1 or null (all rows) (got: 0); to skip validation set "
+                          "data.val_path=null")
 
 
 def _validate_rollout_choices(cfg: RootConfig) -> None:

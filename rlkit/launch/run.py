@@ -13,7 +13,6 @@ from rlkit.algorithms.warm_start import cached_warm_start, warm_start_dir
 from rlkit.checkpoint import CheckpointManager
 from rlkit.cluster.setup import start_workers
 from rlkit.config.schema import RootConfig
-from rlkit.data.arithmetic import arithmetic_splits
 from rlkit.data.batch import rollout_batch
 from rlkit.data.generation import SamplingParams
 from rlkit.data.stream import ShuffledStream
@@ -64,15 +63,15 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
 def verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
     """`rlkit verify-refit`: load the model into policy and generation, refit, sample answers to
     held-out prompts and compare the sampler's logprobs with the policy's on the same tokens."""
-    _, val_set = arithmetic_splits(cfg.data)
     model_dir = resolve_model_dir(cfg)
     tokenizer = load_tokenizer(model_dir)
+    val_set = load_algorithm(cfg.algorithm.name).load_data(cfg, tokenizer).val
     workers = start_workers(cfg, str(model_dir))
     try:
         workers.policy.set_temperature(cfg.generation.temperature or 1.0)
         metrics = RefitDriver(cfg, workers.policy, workers.generation, workers.placement_group, []).sync()
         g = cfg.generation
-        prompt_ids = [tokenizer(r["prompt"])["input_ids"] for r in val_set[:num_prompts]]
+        prompt_ids = [p.token_ids for p in val_set[:num_prompts]]
         generations = workers.generation.generate(prompt_ids, SamplingParams(g.max_new_tokens, g.temperature,
                                                                              g.top_p, g.top_k, cfg.run.seed))
         rollout = rollout_batch(prompt_ids, generations, tokenizer.pad_token_id)

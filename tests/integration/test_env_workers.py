@@ -13,10 +13,12 @@ import torch
 from transformers import AutoTokenizer
 
 from rlkit.algorithms.episodes import run_episodes
+from rlkit.algorithms.policy_gradient import load_prompts
 from rlkit.cluster.setup import start_workers
 from rlkit.config.schema import EnvRunnerConfig
 from rlkit.envs.runner import EnvironmentPool, EnvironmentFailure
 from rlkit.data.generation import SamplingParams
+from rlkit.data.prompts import PromptRenderer
 
 pytestmark = pytest.mark.integration
 
@@ -74,36 +76,48 @@ def test_fail_fast_raises_with_the_traceback(ray_cluster, faulty_env):
         envs.shutdown()
 
 
-def test_multi_turn_rollout_masks_environment_tokens(ray_cluster, make_cfg, tiny_qwen2):
-    cfg, _ = make_cfg("env=guess_sum", "env_runner.max_turns=3", "generation.num_workers=1")
+# what an environment turn looks like between the model's turns, raw and chat-templated
+RAW_TURN = re.compile(r" (higher|lower|a number please)\n\d+\+\d+=")
+CHAT_TURN = re.compile(r"(<\|im_end\|>)?\n<\|im_start\|>user\n (higher|lower|a number please)\n\d+\+\d+="
+                       r"<\|im_end\|>\n<\|im_start\|>assistant\n")
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_multi_turn_rollout_masks_environment_tokens(ray_cluster, make_cfg, tiny_qwen2, chat_template):
+    """Each environment turn is appended after the model's tokens as they were generated, masked
+    out of the loss, and rendered raw or with the chat template (end of the model's turn, the
+    user turn, the next generation prompt)."""
+    cfg, _ = make_cfg("env=guess_sum", "env_runner.max_turns=3", "generation.num_workers=1",
+                      f"data.chat_template={chat_template}")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
+    prompts = load_prompts(cfg, tokenizer).train[:8]
     workers = start_workers(cfg, str(tiny_qwen2))
     envs = EnvironmentPool(cfg.env, cfg.env_runner)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
     try:
-        rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(8)]
-        rollout = run_episodes(rows, tokenizer, workers.generation, envs,
-                               SamplingParams(4, 1.0, 1.0, 0, seed=0), cfg.env_runner)
+        rollout = run_episodes(prompts, PromptRenderer.of(tokenizer, cfg.data, cfg.env_runner.observation_format),
+                               workers.generation, envs, SamplingParams(4, 1.0, 1.0, 0, seed=0), cfg.env_runner)
     finally:
         envs.shutdown()
         workers.shutdown()
     batch = rollout.batch
     assert rollout.metrics["train/turns"] > 1  # the random model is wrong, so episodes go on
-    for i, row in enumerate(rows):
+    turns = 0
+    for i, prompt in enumerate(prompts):
         ids, mask = batch["input_ids"][i], batch["response_mask"][i]
         length = len(ids)
         while length and ids[length - 1] == tokenizer.pad_token_id and mask[length - 1] == 0:
             length -= 1  # right padding (a pad the model itself sampled is trained on: mask 1)
-        prompt_len = len(tokenizer(row["prompt"])["input_ids"])
-        assert mask[:prompt_len].sum() == 0
-        # every maximal run of mask-0 tokens after the prompt decodes to an environment message
-        segments = re.findall(r"0+", "".join(str(int(m)) for m in mask[prompt_len:length].tolist()))
-        untrained = [ids[prompt_len:length][j] for j, m in enumerate(mask[prompt_len:length]) if m == 0]
-        text = tokenizer.decode(untrained)
-        assert len(segments) == text.count(row["prompt"])  # one observation (feedback + prompt) per segment
-        assert all(w in ("higher", "lower", "a", "number", "please") or re.fullmatch(r"\d+\+\d+=", w)
-                   for w in text.split())
+        prompt_len = len(prompt.token_ids)
+        assert ids[:prompt_len].tolist() == prompt.token_ids and mask[:prompt_len].sum() == 0
+        # every maximal run of mask-0 tokens after the prompt is one environment turn
+        flags = "".join(str(int(m)) for m in mask[prompt_len:length].tolist())
+        for run in re.finditer(r"0+", flags):
+            text = tokenizer.decode(ids[prompt_len + run.start():prompt_len + run.end()])
+            assert (CHAT_TURN if chat_template else RAW_TURN).fullmatch(text), text
+            turns += 1
         # sampler logprobs exist exactly where the model generated
         assert torch.all((batch["generation_logprobs"][i] != 0) <= (mask == 1))
+    assert turns > 0
 
 
 README_EXAMPLE = re.compile(r"<!-- env-example -->\n```python\n(.*?)```.*?```bash\n(.*?)```", re.DOTALL)

@@ -51,7 +51,7 @@ def odd_length(response: str, metadata: dict) -> float:
 
 
 ALGORITHM = AlgorithmSpec(
-    name="sign_advantages", config=SignConfig, data="arithmetic", load_data=policy_gradient.load_prompts,
+    name="sign_advantages", config=SignConfig, data="prompts", load_data=policy_gradient.load_prompts,
     trainer=PolicyGradientTrainer, rollouts=True, validate=validate, estimator=per_sample(sign),
     kl_in_loss=lambda a: True, uses_reference=lambda a: a.kl_coef > 0)
 '''

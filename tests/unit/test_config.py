@@ -170,7 +170,7 @@ FAMILY_ERRORS = [
     ("dpo-label-smoothing", "dpo_tiny_cpu", ["algorithm.label_smoothing=0.5"], "algorithm.label_smoothing",
      ["[0, 0.5)", "(got: 0.5)"], ["algorithm.label_smoothing=0.1"]),
     ("sft-on-preference-data", "sft_tiny_cpu", ["data=arithmetic_preferences"], "data.name",
-     ["trains on data=sft_files", "(got: 'preference_files')"], ["data=arithmetic_sft"]),
+     ["trains on data of kind 'sft_files'", "(got: 'preference_files')", "data=arithmetic_sft"], ["data=arithmetic_sft"]),
     ("sft-unknown-data", "sft_tiny_cpu", ["data.name=csv"], "data.name",
      ["must be one of", "'sft_files'", "(got: 'csv')"], ["data.name=sft_files"]),
     ("sft-pack-on-dpo", "dpo_tiny_cpu", ["+data.pack=true"], "data.pack", ["unknown key"], []),

@@ -8,7 +8,8 @@ import datasets
 import pandas as pd
 import pytest
 
-from rlkit.data.sft import load_rows, tokenize_preference_row, tokenize_sft_row
+from rlkit.data.files import load_rows
+from rlkit.data.sft import tokenize_preference_row, tokenize_sft_row
 from rlkit.data.synthetic import write_arithmetic_preferences, write_arithmetic_sft
 from rlkit.models.tiny import build_tokenizer
 
@@ -82,7 +83,7 @@ def test_unsupported_and_malformed_files_name_the_file(tmp_path):
 
 
 def test_hub_name_failure_says_what_to_do(monkeypatch):
-    def unreachable(name, split):
+    def unreachable(name, subset, split):
         raise ConnectionError(f"Couldn't reach '{name}' on the Hub")
 
     monkeypatch.setattr(datasets, "load_dataset", unreachable)

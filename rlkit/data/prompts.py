@@ -1,0 +1,152 @@
+"""RL prompts: rows from a file, the hub or a generated preset (data.*), each mapped to a chat
+prompt and the sample's info for the environment, and rendered to token ids once, at load.
+
+A row's `data.prompt_field` holds the prompt (text, or a chat `messages` list); every other field
+reaches the environment as the sample's metadata, with `data.answer_field` (the ground truth)
+under "answer". Rendering goes through the tokenizer's chat template (data.chat_template), or is
+the raw text for base models and the tiny demos.
+"""
+
+import logging
+from dataclasses import dataclass
+
+from rlkit.config.schema import ConfigError, PromptDataConfig
+from rlkit.data.arithmetic import arithmetic_splits
+from rlkit.data.files import load_rows, write_jsonl
+from rlkit.data.word_problems import word_problem_splits
+
+log = logging.getLogger("rlkit")
+
+# data.synthetic.kind -> (config) -> (train rows, validation rows)
+SYNTHETIC_SETS = {"arithmetic": arithmetic_splits, "word_problems": word_problem_splits}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    messages: list[dict]  # the conversation so far, as the environment sees it
+    token_ids: list[int]  # the rendered prompt, generation prompt included
+    metadata: dict  # every other field of the row; the ground truth under "answer"
+
+
+class PromptRenderer:
+    """Token ids of prompts and of environment turns, chat-templated or raw.
+
+    Multi-turn episodes grow by appending tokens: the model's own tokens are never re-tokenized
+    (decoding and re-encoding them can merge or drop separators), and each environment turn adds
+    what the chat template renders after an assistant message: the end of that message the model
+    did not generate itself (e.g. the newline after <|im_end|>, or the whole end-of-turn when it
+    ran out of tokens), then the user turn and the next generation prompt.
+    """
+
+    def __init__(self, tokenizer, chat_template: bool, system_prompt: str | None, prompt_format: str,
+                 observation_format: str):
+        self.tokenizer, self.chat_template = tokenizer, chat_template
+        self.system_prompt, self.prompt_format, self.observation_format = system_prompt, prompt_format, observation_format
+        if chat_template:
+            # what the template writes after an assistant message's content, found with a marker
+            marker = "\u2063rlkit\u2063"
+            base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}]
+            rendered = self._render(base, False)
+            self._assistant_end = self._ids(rendered[rendered.rindex(marker) + len(marker):])
+            self._base_text = rendered
+
+    @classmethod
+    def of(cls, tokenizer, data: PromptDataConfig, observation_format: str) -> "PromptRenderer":
+        return cls(tokenizer, data.chat_template, data.system_prompt, data.prompt_format, observation_format)
+
+    def messages(self, prompt: str | list[dict]) -> list[dict]:
+        """The prompt as a conversation: the system prompt first (if any), and the last user
+        message formatted with data.prompt_format."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        messages[last_user]["content"] = self.prompt_format.format(prompt=messages[last_user]["content"])
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The chat template with its generation prompt; raw: the one message's text."""
+        if self.chat_template:
+            return self._ids(self._render(messages, True))
+        return self.tokenizer("".join(m["content"] for m in messages))["input_ids"]
+
+    def observation_ids(self, generated: list[int], observation: str) -> list[int]:
+        """Tokens appended after the model's `generated` tokens for an environment's next turn."""
+        if not self.chat_template:
+            return self._ids(self.observation_format.format(observation=observation))
+        end = self._assistant_end
+        done = max(k for k in range(len(end) + 1) if k <= len(generated) and generated[len(generated) - k:] == end[:k])
+        turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\u2063rlkit\u2063"},
+                {"role": "user", "content": observation}]
+        rendered = self._render(turn, True)
+        if not rendered.startswith(self._base_text):
+            raise ValueError("the tokenizer's chat template renders earlier turns differently once a user turn "
+                             "follows, so turns cannot be appended; use data.chat_template=false or another "
+                             "template")
+        return end[done:] + self._ids(rendered[len(self._base_text):])
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def load_prompt_splits(d: PromptDataConfig, renderer: PromptRenderer) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, validation) prompts of data.train_path / data.val_path, after writing the generated
+    set there when data.synthetic asks for one (rewritten only when it differs, so the files always
+    hold the configured set). Prompts longer than data.max_prompt_tokens are dropped, with the count
+    in the log."""
+    if d.synthetic is not None:
+        if d.synthetic.kind not in SYNTHETIC_SETS:
+            raise ConfigError(f"data.synthetic.kind: must be one of {list(SYNTHETIC_SETS)} (got: "
+                              f"{d.synthetic.kind!r}); pick one of those")
+        for path, rows in zip([d.train_path, d.val_path], SYNTHETIC_SETS[d.synthetic.kind](d.synthetic)):
+            if path is not None and write_jsonl(path, rows, only_if_changed=True):
+                log.info("data: wrote the generated %s set to %s", d.synthetic.kind, path)
+    splits = []
+    for key, path, split in [("data.train_path", d.train_path, d.train_split),
+                             ("data.val_path", d.val_path, d.val_split)]:
+        if path is None:
+            splits.append([])
+            continue
+        try:
+            rows = load_rows(path, split, d.subset)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"{key}: {e}") from None
+        prompts = [_prompt(row, f"{path} row {i}", d, renderer) for i, row in enumerate(rows)]
+        kept = [p for p in prompts if len(p.token_ids) <= d.max_prompt_tokens]
+        if len(kept) < len(prompts):
+            log.info("data: dropped %d of %d prompts of %s longer than data.max_prompt_tokens=%d",
+                     len(prompts) - len(kept), len(prompts), path, d.max_prompt_tokens)
+        if not kept:
+            raise ConfigError(f"{key}: every prompt of {path} is longer than data.max_prompt_tokens="
+                              f"{d.max_prompt_tokens} tokens; raise data.max_prompt_tokens")
+        splits.append(kept)
+    train, val = splits
+    return train, val if d.val_size is None else val[:d.val_size]
+
+
+def _prompt(row: dict, where: str, d: PromptDataConfig, renderer: PromptRenderer) -> Prompt:
+    for key, name in [("data.prompt_field", d.prompt_field), ("data.answer_field", d.answer_field)]:
+        if name is not None and row.get(name) is None:
+            raise ConfigError(f"{where} has no field '{name}' ({key}); add it to every row or set {key} to the "
+                              f"row's field (fields: {sorted(k for k, v in row.items() if v is not None)})")
+    prompt = row[d.prompt_field]
+    if not (isinstance(prompt, str) or _is_messages(prompt)):
+        raise ConfigError(f"{where}: field '{d.prompt_field}' (data.prompt_field) must be a string or a list of "
+                          f"{{'role', 'content'}} messages with a user message (got: {type(prompt).__name__})")
+    if not renderer.chat_template and not isinstance(prompt, str):
+        raise ConfigError(f"{where}: field '{d.prompt_field}' is a messages list, which needs "
+                          f"data.chat_template=true to render")
+    metadata = {k: v for k, v in row.items() if k != d.prompt_field}
+    if d.answer_field is not None:
+        metadata["answer"] = row[d.answer_field]
+    messages = renderer.messages(prompt)
+    return Prompt(messages, renderer.prompt_ids(messages), metadata)
+
+
+def _is_messages(value) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value)
+            and any(m.get("role") == "user" for m in value))
