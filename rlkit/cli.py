@@ -51,6 +51,17 @@ def _convert(args) -> int:
     return 0
 
 
+def _pretrained(args) -> int:
+    from rlkit.models.pretrained import MaterializeError, smollm2_135m_instruct
+
+    try:
+        print(smollm2_135m_instruct(args.cache_dir))
+    except MaterializeError as e:
+        print(f"rlkit: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlkit")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -73,10 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     convert = commands.add_parser("convert", help="export HF weights from a checkpoint")
     convert.add_argument("checkpoint", help="a checkpoint directory (.../checkpoints/step_NNNNNN)")
     convert.add_argument("out", help="directory for the HF checkpoint")
+    pretrained = commands.add_parser("pretrained", help="materialize a pretrained model into the cache, print its path")
+    pretrained.add_argument("model", choices=["smollm2-135m-instruct"], help="which model")
+    pretrained.add_argument("--cache-dir", default=".rlkit_cache", help="cache directory (a recipe's run.cache_dir)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
-        commands = {"train": _train, "verify-refit": _verify_refit, "env": _env_check, "convert": _convert}
+        commands = {"train": _train, "verify-refit": _verify_refit, "env": _env_check, "convert": _convert,
+                    "pretrained": _pretrained}
         return commands[args.command](args)
     except ConfigError as e:
         print(f"rlkit: config error: {e}", file=sys.stderr)
