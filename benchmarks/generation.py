@@ -43,7 +43,8 @@ class RlkitWorker:
         from rlkit.workers.generation.vllm import VLLMGenerationWorker
         cfg, _ = load_config("grpo_tiny_gpu", [f"generation.vllm.gpu_memory_utilization={ENGINE['gpu_memory_utilization']}",
                                                f"generation.vllm.max_model_len={ENGINE['max_model_len']}"])
-        self.worker = VLLMGenerationWorker(model_dir, cfg.generation, seed=0, rank=0, sleep_mode=False)
+        self.worker = VLLMGenerationWorker(model_dir, cfg.generation, seed=0, rank=0, sleep_mode=False,
+                                           fp32_lm_head=cfg.policy.fp32_lm_head)
 
     def generate(self, prompt_ids, max_tokens, temperature) -> int:
         from rlkit.data.generation import SamplingParams

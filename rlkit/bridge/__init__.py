@@ -83,13 +83,15 @@ class ModelBridge:
         return self._bridge.config
 
     def build(self, bf16: bool, wrap_with_ddp: bool, use_distributed_optimizer: bool = False,
-              value_head: bool = False) -> list:
+              value_head: bool = False, fp32_lm_head: bool = False) -> list:
         """Model chunks of this rank; value_head=True swaps the LM head for ValueHead (a critic)
-        before DDP wraps the model, so DDP and the optimizer see the head's parameters."""
+        before DDP wraps the model, so DDP and the optimizer see the head's parameters;
+        fp32_lm_head computes the logits in fp32 (_lm_head_in_fp32)."""
+        callbacks = [_attach_value_head] if value_head else [_lm_head_in_fp32] if fp32_lm_head else []
         return self._bridge.get_model(
             bf16=bf16, wrap_with_ddp=wrap_with_ddp, use_cpu_initialization=not torch.cuda.is_available(),
             ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": use_distributed_optimizer},
-            post_model_creation_callbacks=[_attach_value_head] if value_head else [])
+            post_model_creation_callbacks=callbacks)
 
     def load_trunk_weights(self, critic_chunks: list, bf16: bool):
         """Initialise a critic from the HF checkpoint: every weight but the LM head (which the
@@ -240,6 +242,23 @@ def _attach_value_head(model, pre_process, post_process, config, hf_config):
     if post_process:
         model.output_layer = ValueHead(config.hidden_size, config.params_dtype).to(
             next(model.parameters()).device)
+
+
+def _lm_head_in_fp32(model, pre_process, post_process, config, hf_config):
+    """The LM head as an fp32 product of the bf16 hidden states and weights. Logits rounded to
+    bf16 are off by up to half a bf16 step (0.03 at a logit of 10), independently in the trainer
+    and in vLLM: the largest part of a bf16 model's train-vs-generation logprob gap. vLLM computes
+    its head the same way with hf_overrides head_dtype=float32. Gradients flow through the casts
+    to the bf16 weights as before."""
+    if not post_process:
+        return
+    layer, forward = model.output_layer, model.output_layer.forward
+
+    def fp32_forward(input_, weight=None, runtime_gather_output=None):
+        weight = layer.weight if weight is None else weight  # tied embeddings pass theirs
+        return forward(input_.float(), weight=weight.float(), runtime_gather_output=runtime_gather_output)
+
+    layer.forward = fp32_forward
 
 
 def _unwrap(chunk):

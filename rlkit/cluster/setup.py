@@ -39,7 +39,8 @@ def _generation_worker(cfg: RootConfig, model_dir: str) -> tuple[type, Callable[
     if cfg.generation.backend == "vllm":
         from rlkit.workers.generation.vllm import VLLMGenerationWorker
         return VLLMGenerationWorker, lambda rank: dict(model_dir=model_dir, cfg=cfg.generation, seed=cfg.run.seed,
-                                                       rank=rank, sleep_mode=cfg.cluster.placement == "colocated")
+                                                       rank=rank, sleep_mode=cfg.cluster.placement == "colocated",
+                                                       fp32_lm_head=cfg.policy.fp32_lm_head)
     from rlkit.workers.generation.hf import HFGenerationWorker
     return HFGenerationWorker, lambda rank: dict(model_dir=model_dir, precision=cfg.generation.precision,
                                                  threads=cfg.cluster.threads_per_worker, rank=rank)

@@ -53,6 +53,7 @@ class PolicyConfig:
     micro_batch_size: int = MISSING
     train_global_batch_size: int = MISSING
     precision: str = MISSING
+    fp32_lm_head: bool = MISSING
     use_distributed_optimizer: bool = MISSING
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 

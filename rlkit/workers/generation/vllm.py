@@ -18,7 +18,8 @@ from rlkit.workers.generation.base import GenerationWorker
 class VLLMGenerationWorker(GenerationWorker):
     """Starts with dummy weights: real weights arrive only through refit."""
 
-    def __init__(self, model_dir: str, cfg: GenerationConfig, seed: int, rank: int, sleep_mode: bool):
+    def __init__(self, model_dir: str, cfg: GenerationConfig, seed: int, rank: int, sleep_mode: bool,
+                 fp32_lm_head: bool):
         # the engine core is a separate process; IPC handles and plans travel by pickle
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -31,6 +32,8 @@ class VLLMGenerationWorker(GenerationWorker):
                        enforce_eager=v.enforce_eager, seed=seed + rank, load_format="dummy",
                        dtype="bfloat16" if cfg.precision == "bf16" else "float32",
                        enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",
+                       # logits as the policy computes them (policy.fp32_lm_head)
+                       hf_overrides={"head_dtype": "float32"} if fp32_lm_head else None,
                        worker_extension_cls="rlkit.workers.generation.vllm_ext.RefitExtension")
         self._asleep_tags: set[str] = set()
         # set by a refit, cleared by the next generate(): resetting there keeps an engine round

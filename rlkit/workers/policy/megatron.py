@@ -57,6 +57,7 @@ class MegatronModelWorker:
         self.name = "policy" if head == "lm" else "critic"  # its folder in a checkpoint
         self.bridge = ModelBridge(model_dir, torch.bfloat16 if self.bf16 else torch.float32)
         self.model = self.bridge.build(bf16=self.bf16, wrap_with_ddp=True, value_head=head == "value",
+                                       fp32_lm_head=cfg.fp32_lm_head,
                                        use_distributed_optimizer=cfg.use_distributed_optimizer)
         if head == "value":
             self.bridge.load_trunk_weights(self.model, self.bf16)
@@ -111,7 +112,7 @@ class MegatronModelWorker:
     def init_reference(self, hf_dir: str):
         """Load the frozen KL reference policy from an HF checkpoint (the run's starting weights,
         so a resumed run keeps the same anchor)."""
-        self.reference = self.bridge.build(bf16=self.bf16, wrap_with_ddp=False)
+        self.reference = self.bridge.build(bf16=self.bf16, wrap_with_ddp=False, fp32_lm_head=self.cfg.fp32_lm_head)
         self.bridge.load_hf_weights(self.reference, hf_dir)
         for chunk in self.reference:
             chunk.requires_grad_(False)
