@@ -59,6 +59,8 @@ def load_algorithm(name: str) -> AlgorithmSpec:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        if e.name is not None and not module_name.startswith(e.name):
+            raise  # the module exists but something it imports is missing: that error, not this one
         raise ConfigError(f"algorithm.name: must be one of {list(BUILTIN)} or an importable module that defines "
                           f"ALGORITHM (got: {name!r}); select the config group with algorithm=<name> ({e})") from None
     spec = getattr(module, "ALGORITHM", None)
