@@ -161,11 +161,11 @@ def test_three_grpo_steps_on_word_problems(ray_cluster, make_cfg, smollm2, tmp_p
 
     cfg, resolved = make_cfg(f"policy.model_path={smollm2}", "data=word_problems", "env=math",
                              f"data.train_path={tmp_path}/train.jsonl", f"data.val_path={tmp_path}/val.jsonl",
-                             "data.synthetic.train_size=32", "data.synthetic.val_size=4",
+                             "data.synthetic.train_size=32", "data.synthetic.val_size=2",
                              "algorithm.num_steps=3", "algorithm.val_every=3", "algorithm.prompts_per_step=4",
                              "algorithm.group_size=4", "policy.train_global_batch_size=16",
-                             "policy.micro_batch_size=8", "generation.max_new_tokens=48",
-                             "env_runner.max_total_tokens=48", "run.name=smollm2_grpo")
+                             "policy.micro_batch_size=8", "generation.max_new_tokens=24",
+                             "env_runner.max_total_tokens=24", "run.name=smollm2_grpo")
     history = train(cfg, resolved).history
     assert len(history) == 4 and "val/accuracy" in history[0] and "val/accuracy" in history[3]
     for metrics in history[1:]:
