@@ -21,6 +21,11 @@ log = logging.getLogger("rlkit")
 SYNTHETIC_SETS = {"arithmetic": arithmetic_splits, "word_problems": word_problem_splits}
 
 
+# a stand-in conversation whose assistant content no real text contains, to locate template text
+_MARKER = "\u2063rlkit\u2063"
+_PROBE_TURNS = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARKER}]
+
+
 @dataclass(frozen=True)
 class Prompt:
     messages: list[dict]  # the conversation so far, as the environment sees it
@@ -44,10 +49,8 @@ class PromptRenderer:
         self.system_prompt, self.prompt_format, self.observation_format = system_prompt, prompt_format, observation_format
         if chat_template:
             # what the template writes after an assistant message's content, found with a marker
-            marker = "\u2063rlkit\u2063"
-            base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}]
-            rendered = self._render(base, False)
-            self._assistant_end = self._ids(rendered[rendered.rindex(marker) + len(marker):])
+            rendered = self._render(_PROBE_TURNS, False)
+            self._assistant_end = self._ids(rendered[rendered.rindex(_MARKER) + len(_MARKER):])
             self._base_text = rendered
 
     @classmethod
@@ -76,9 +79,7 @@ class PromptRenderer:
             return self._ids(self.observation_format.format(observation=observation))
         end = self._assistant_end
         done = max(k for k in range(len(end) + 1) if k <= len(generated) and generated[len(generated) - k:] == end[:k])
-        turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\u2063rlkit\u2063"},
-                {"role": "user", "content": observation}]
-        rendered = self._render(turn, True)
+        rendered = self._render(_PROBE_TURNS + [{"role": "user", "content": observation}], True)
         if not rendered.startswith(self._base_text):
             raise ValueError("the tokenizer's chat template renders earlier turns differently once a user turn "
                              "follows, so turns cannot be appended; use data.chat_template=false or another "
