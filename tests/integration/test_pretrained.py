@@ -10,10 +10,8 @@ is beneath fp32 itself for 30 trained layers. Measured on these chats: the fp32 
 2.2e-5 from it at TP=1 and 2.5e-5 at TP=3, and closer to fp64 than HF is (1.4e-5, 1.9e-5). A
 mapping error is off by far more: two heads swapped in one layer, 0.6 to 2.8; rope_theta 1e4, 1.7."""
 
-import math
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -33,14 +31,6 @@ CHATS = [("What is the capital of France?", "The capital of France is Paris."),
          ("What is 2+2?", "2+2 is 4."),
          ("Name a primary color.", "Red."),
          ("Say hello in French.", "Bonjour!")]
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    start = time.perf_counter()
-    model_dir = smollm2_135m_instruct(tmp_path_factory.mktemp("pretrained"))
-    print(f"materialized in {time.perf_counter() - start:.1f} s")
-    return model_dir
 
 
 @pytest.fixture(scope="module")
@@ -151,25 +141,3 @@ def test_refit_gives_the_generation_worker_the_checkpoint_bit_for_bit(workers, s
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=0)
     answer, = workers.generation.generate([_prompt(tokenizer, CHATS[0][0])], greedy).token_ids
     assert answer[-1] == tokenizer.eos_token_id and "Paris" in tokenizer.decode(answer)
-
-
-def test_three_grpo_steps_on_word_problems(ray_cluster, make_cfg, smollm2, tmp_path):
-    """The pretrained model as a run's policy: chat-templated GSM8K-format prompts, math-verify
-    rewards, three GRPO steps with refit into the HF workers. fp32 on CPU, so the sampler's and
-    the trainer's logprobs agree to float noise after every refit."""
-    from rlkit.launch.run import train
-
-    cfg, resolved = make_cfg(f"policy.model_path={smollm2}", "data=word_problems", "env=math",
-                             f"data.train_path={tmp_path}/train.jsonl", f"data.val_path={tmp_path}/val.jsonl",
-                             "data.synthetic.train_size=32", "data.synthetic.val_size=2",
-                             "algorithm.num_steps=3", "algorithm.val_every=3", "algorithm.prompts_per_step=4",
-                             "algorithm.group_size=4", "policy.train_global_batch_size=16",
-                             "policy.micro_batch_size=8", "generation.max_new_tokens=24",
-                             "env_runner.max_total_tokens=24", "run.name=smollm2_grpo")
-    history = train(cfg, resolved).history
-    assert len(history) == 4 and "val/accuracy" in history[0] and "val/accuracy" in history[3]
-    for metrics in history[1:]:
-        assert all(math.isfinite(metrics[k]) for k in ["train/reward", "train/loss", "train/grad_norm"])
-        # a pretrained model's entropy, not a random one's (log 49152 = 10.8)
-        assert metrics["train/entropy"] < 3.0
-        assert metrics["refit/token_mult_prob_error"] < 1.001
