@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # rlkit's GPU work on a device machine prepared by ../shared/gpu (README "GPU development").
 #   bash scripts/gpu_session.sh tests|refit-tests|bench|bench-7b|refit-bench|refit-bench-512|all    logs and JSON land in $OUT
-#   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (bf16 vs fp32 LM head), GRPO run
+#   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (layer by layer, and the recipe's), GRPO run
 set -uo pipefail
 source /tmp/gpucarry/env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
@@ -12,11 +12,11 @@ tests() { timeout "$1" python3 -m pytest "${2:-tests/gpu}" -v -rA -s -p no:cache
 generation() { timeout 250 python3 benchmarks/generation.py --size 1.5b --out "$OUT/generation.json" 2>&1 | tee "$OUT/generation.log"; }
 refit() { timeout "$2" python3 benchmarks/refit.py --sizes "$1" --bucket-mb "${3:-512,2048}" --out "$OUT/refit_${1//,/-}.json" 2>&1 | tee "$OUT/refit_${1//,/-}.log"; }
 smollm2() { python3 -m rlkit.cli pretrained smollm2-135m-instruct 2>&1 | tail -1 | tee "$OUT/smollm2_path.txt"; }
-gap() {  # the recipe's prompts, sampled by vLLM after a refit, scored by the policy: with a bf16 and an fp32 LM head
-  for head in false true; do
-    timeout 240 python3 -m rlkit.cli verify-refit --config-name grpo_smollm2_gpu --num-prompts 128 \
-      policy.fp32_lm_head=$head 2>&1 | tee "$OUT/gap_fp32_lm_head_$head.log" | grep "^refit/"
-  done
+gap() {  # layer by layer (benchmarks/logprob_gap.py), then the recipe's refit: its prompts sampled by vLLM, scored by the policy
+  timeout 300 python3 benchmarks/logprob_gap.py --out "$OUT/logprob_gap.json" 2>&1 | tee "$OUT/logprob_gap.log" \
+    | grep "^T=\|^layers\|Error"
+  timeout 200 python3 -m rlkit.cli verify-refit --config-name grpo_smollm2_gpu --num-prompts 128 2>&1 \
+    | tee "$OUT/verify_refit.log" | grep "^refit/"
 }
 train_smollm2() {  # resumes from its last checkpoint when a call before was cut short
   timeout "$1" python3 -m rlkit.cli train --config-name grpo_smollm2_gpu "${@:2}" 2>&1 | tee -a "$OUT/smollm2_train.log" | grep -v "^(\|Warn"
