@@ -13,9 +13,9 @@ generation() { timeout 250 python3 benchmarks/generation.py --size 1.5b --out "$
 refit() { timeout "$2" python3 benchmarks/refit.py --sizes "$1" --bucket-mb "${3:-512,2048}" --out "$OUT/refit_${1//,/-}.json" 2>&1 | tee "$OUT/refit_${1//,/-}.log"; }
 smollm2() { python3 -m rlkit.cli pretrained smollm2-135m-instruct 2>&1 | tail -1 | tee "$OUT/smollm2_path.txt"; }
 gap() {  # layer by layer (benchmarks/logprob_gap.py), then the recipe's refit: its prompts sampled by vLLM, scored by the policy
-  timeout 300 python3 benchmarks/logprob_gap.py --out "$OUT/logprob_gap.json" 2>&1 | tee "$OUT/logprob_gap.log" \
+  timeout 270 python3 benchmarks/logprob_gap.py --out "$OUT/logprob_gap.json" 2>&1 | tee "$OUT/logprob_gap.log" \
     | grep "^T=\|^layers\|Error"
-  timeout 200 python3 -m rlkit.cli verify-refit --config-name grpo_smollm2_gpu --num-prompts 128 2>&1 \
+  timeout 150 python3 -m rlkit.cli verify-refit --config-name grpo_smollm2_gpu --num-prompts 128 2>&1 \
     | tee "$OUT/verify_refit.log" | grep "^refit/"
 }
 train_smollm2() {  # resumes from its last checkpoint when a call before was cut short
