@@ -5,8 +5,8 @@ The recipe's model (SmolLM2-135M-Instruct) and its held-out prompts; one GPU, no
     T=1 and at the recipe's temperature, then prefills the T=1 conversations again (prompt
     logprobs): decode vs prefill is vLLM's own share of the gap;
   - Megatron built by rlkit's bridge scores the same tokens in bf16 with each core attention
-    (rlkit's SDPAttention and megatron-core's DotProductAttention, same weights), and in fp32
-    as the reference;
+    (megatron-core's DotProductAttention, which rlkit builds without TransformerEngine, and the
+    candidate SDPAttention below; same weights), and in fp32 as the reference;
   - for a few conversations, the residual stream after every decoder layer, from vLLM's prefill
     and from each Megatron build, as relative RMS distances to the fp32 reference and to each
     other.
@@ -21,6 +21,8 @@ import time
 from datetime import timedelta
 
 import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from rlkit.launch.config import load_config
 
@@ -40,10 +42,25 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+class SDPAttention(DotProductAttention):
+    """The candidate: causal attention through torch's SDPA, whose flash kernel keeps the scores
+    and the softmax in fp32 as vLLM's FlashAttention does. megatron-core's DotProductAttention
+    writes the [b, n, s, s] scores in bf16 before its fp32 softmax. Inference only, no mask."""
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        seq, batch, repeats = query.shape[0], query.shape[1], query.shape[2] // key.shape[2]
+        # [s, b, n, d] -> [b, n, s, d], each KV head repeated for its query heads (GQA)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key.repeat_interleave(repeats, dim=2),
+                                                    value.repeat_interleave(repeats, dim=2)))
+        context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # [s, b, n * d]
+
+
 class Vllm:
     def __init__(self, model_dir: str, cfg):
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model pickles functions
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # this process has touched CUDA already
         from vllm import LLM
 
         v = cfg.generation.vllm
@@ -105,12 +122,13 @@ class Megatron:
         self.bridge = ModelBridge(model_dir, torch.bfloat16 if bf16 else torch.float32)
         self.model = self.bridge.build(bf16=bf16, wrap_with_ddp=False, fp32_lm_head=fp32_lm_head)
         self.bridge.load_hf_weights(self.model)
-        self.module = self.model[0]
+        self.module = self.model[0]  # bf16: inside Float16Module, whose forward casts the output
         self.module.eval()
+        self.layers = getattr(self.module, "module", self.module).decoder.layers
 
     def use_attention(self, cls):
         """Swap every layer's core attention class (same parameters: none)."""
-        for layer in self.module.decoder.layers:
+        for layer in self.layers:
             layer.self_attention.core_attention.__class__ = cls
 
     @torch.no_grad()
@@ -127,7 +145,7 @@ class Megatron:
     def residual_streams(self, sequence: list[int]) -> list[torch.Tensor]:
         streams = []
         hooks = [layer.register_forward_hook(lambda _m, _in, out: streams.append(out[0][:, 0].float().cpu()))
-                 for layer in self.module.decoder.layers]
+                 for layer in self.layers]
         self.logits(sequence)
         for hook in hooks:
             hook.remove()
@@ -163,10 +181,7 @@ def main():
     parser.add_argument("--layer-prompts", type=int, default=8, help="conversations compared layer by layer")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
     from rlkit.algorithms.registry import load_algorithm
-    from rlkit.bridge.attention import SDPAttention
     from rlkit.models.resolve import resolve_model_dir
     from rlkit.models.tokenizer import load_tokenizer
 
@@ -193,8 +208,8 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference is fp32 throughout
     reference = Megatron(model_dir, bf16=False, fp32_lm_head=False)
     policy = Megatron(model_dir, bf16=True, fp32_lm_head=cfg.policy.fp32_lm_head)
-    builds = [("megatron_fp32", reference, SDPAttention), ("megatron_bf16_sdpa", policy, SDPAttention),
-              ("megatron_bf16_dot_product", policy, DotProductAttention)]
+    builds = [("megatron_fp32", reference, SDPAttention),
+              ("megatron_bf16_dot_product", policy, DotProductAttention), ("megatron_bf16_sdpa", policy, SDPAttention)]
     for name, engine, attention in builds:
         engine.use_attention(attention)
         for t, rows in samples.items():

@@ -31,23 +31,17 @@ def _isolate_name_tables():
 
 def _use_local_layer_spec():
     """Without TransformerEngine, mbridge 0.15.1 still builds TE layer specs (NameError: TENorm)
-    and its name tables only know TE's fused layernorm names. Build the pure-torch spec, with
-    SDPAttention as its core attention, and translate its layernorm names to the fused ones
-    before mbridge maps them to HF."""
+    and its name tables only know TE's fused layernorm names. Build the pure-torch spec and
+    translate its layernorm names to the fused ones before mbridge maps them to HF."""
     if "local_spec" in _patched:
         return
     from mbridge.core.bridge import Bridge
     from mbridge.core.llm_bridge import LLMBridge
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from rlkit.bridge.attention import SDPAttention
-
     def local_spec(self, vp_stage=None):
         kwargs = {"vp_stage": vp_stage} if "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters else {}
-        spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, **kwargs)
-        for layer in spec.layer_specs:  # scores and softmax in fp32 inside the kernel, as vLLM has them
-            layer.submodules.self_attention.submodules.core_attention = SDPAttention
-        return spec
+        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, **kwargs)
 
     to_hf = Bridge._weight_name_mapping_mcore_to_hf
 
