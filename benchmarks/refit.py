@@ -46,10 +46,10 @@ def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int])
         workers.generation.wake()
         for bucket_mb in bucket_mbs:
             plan = RefitPlan.build(driver.manifest, bucket_mb << 20, transfer_dtype="bfloat16")
-            learn_s = refit(plan, False)["refit/seconds"]  # the first refit of a plan goes through vLLM's loader
+            learn_s = refit(plan, False)["timing/refit_transfer"]  # the first refit of a plan goes through vLLM's loader
             results = [refit(plan, False) for _ in range(rounds)]
-            checked = refit(plan, True)["refit/seconds"]  # with checksums on, for the record
-            median = statistics.median(r["refit/seconds"] for r in results)
+            checked = refit(plan, True)["timing/refit_transfer"]  # with checksums on, for the record
+            median = statistics.median(r["timing/refit_transfer"] for r in results)
             agreement = logprob_agreement(workers, model_dir)  # after the checksummed refit
             rows.append({
                 "transport": transport, "bucket_mb": bucket_mb, "gbytes": plan.total_bytes / 1e9,

@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from rlkit.config.schema import ConfigError
-from rlkit.launch.config import RECIPES_DIR, load_config
+from rlkit.launch.config import RECIPES_DIR, load_config, recipe_names
 
 
 def _train(args) -> int:
@@ -32,7 +32,7 @@ def _verify_refit(args) -> int:
 
     metrics = verify_refit(cfg, args.num_prompts)
     for key in ["refit/logprob_abs_error_mean", "refit/logprob_abs_error_max", "refit/token_mult_prob_error",
-                "refit/tokens_compared", "refit/seconds", "refit/gbytes_per_s"]:
+                "refit/tokens_compared", "timing/refit_transfer", "timing/refit_gbytes_per_s"]:
         print(f"{key}: {metrics[key]:.6g}")
     return 0
 
@@ -65,7 +65,8 @@ def _pretrained(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlkit")
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="run a recipe")
+    train = commands.add_parser("train", help="run a recipe",
+                                epilog=f"recipes in {RECIPES_DIR}: {', '.join(recipe_names())}")
     train.add_argument("--config-name", required=True, help="recipe name (a YAML file in --config-dir)")
     train.add_argument("--config-dir", default=str(RECIPES_DIR), help="directory of recipes")
     train.add_argument("--cfg", choices=["job"], help="print the resolved config and exit")

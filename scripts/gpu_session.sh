@@ -16,7 +16,7 @@ gap() {  # layer by layer (benchmarks/logprob_gap.py), then the recipe's refit: 
   timeout 270 python3 benchmarks/logprob_gap.py --out "$OUT/logprob_gap.json" 2>&1 | tee "$OUT/logprob_gap.log" \
     | grep "^T=\|^layers\|Error"
   timeout 150 python3 -m rlkit.cli verify-refit --config-name grpo_smollm2_gpu --num-prompts 128 2>&1 \
-    | tee "$OUT/verify_refit.log" | grep "^refit/"
+    | tee "$OUT/verify_refit.log" | grep "^refit/\|^timing/"
 }
 train_smollm2() {  # resumes from its last checkpoint when a call before was cut short
   timeout "$1" python3 -m rlkit.cli train --config-name grpo_smollm2_gpu "${@:2}" 2>&1 | tee -a "$OUT/smollm2_train.log" | grep -v "^(\|Warn"

@@ -37,13 +37,16 @@ class Episode:
 class Episodes:
     batch: Batch  # input_ids, response_mask, generation_logprobs (token-aligned)
     rewards: torch.Tensor  # [B] summed over turns
-    correct: torch.Tensor | None  # [B] bool, when the environment reports it
+    correct: torch.Tensor  # [B] 1.0 right, 0.0 wrong, NaN where the environment gave no verdict (or failed)
     metrics: dict
 
     def summary(self, split: str) -> dict:
-        """Mean reward, accuracy (when the environment reports it) and trained (model-generated)
-        tokens per episode, with the environment's counts."""
-        accuracy = {} if self.correct is None else {f"{split}/accuracy": self.correct.float().mean().item()}
+        """Mean reward, trained (model-generated) tokens per episode and the environment's counts;
+        accuracy over the episodes that have a verdict, with how many those are, so one failed
+        call neither hides the batch's accuracy nor counts as wrong."""
+        scored = ~self.correct.isnan()
+        accuracy = {f"{split}/accuracy": self.correct[scored].mean().item(),
+                    f"{split}/accuracy_scored": int(scored.sum())} if scored.any() else {}
         return {f"{split}/reward": self.rewards.mean().item(), **accuracy,
                 f"{split}/response_length": self.batch["response_mask"].sum(1).mean().item(), **self.metrics}
 
@@ -99,8 +102,7 @@ def _collate(episodes: list[Episode], pad_id: int, failures: dict) -> Episodes:
     for i, e in enumerate(episodes):
         mask[i, :len(e.trained)] = torch.tensor(e.trained, dtype=torch.float32)
         logprobs[i, :len(e.logprobs)] = torch.tensor(e.logprobs)
-    reported = [e.correct for e in episodes]
-    correct = torch.tensor([bool(c) for c in reported]) if all(c is not None for c in reported) else None
+    correct = torch.tensor([float("nan") if e.correct is None else float(e.correct) for e in episodes])
     metrics = {"train/turns": sum(e.turns for e in episodes) / len(episodes), **failures,
                "env/failure_rate": failures.get("env/failures", 0) / len(episodes)}
     return Episodes(Batch({"input_ids": input_ids, "response_mask": mask, "generation_logprobs": logprobs}),

@@ -2,6 +2,7 @@
 what every run needs, what runs with rollouts need, then the algorithm's own checks (its spec).
 Every problem is one ConfigError line: `key: problem (got: value); fix`."""
 
+import difflib
 import json
 import re
 from pathlib import Path
@@ -27,7 +28,24 @@ CONFIG_GROUPS_DIR = REPO_ROOT / "configs"
 RECIPES_DIR = REPO_ROOT / "recipes"
 
 
+def recipe_names(recipes_dir: Path = RECIPES_DIR) -> list[str]:
+    return sorted(p.stem for p in Path(recipes_dir).glob("*.yaml"))
+
+
+def _unknown_key(full_key: str, known: DictConfig) -> ConfigError:
+    """The unknown-key error, with the closest key at the same level of `known` when one is close
+    (algorithm.kl_coeff -> algorithm.kl_coef)."""
+    parent, _, leaf = full_key.rpartition(".")
+    node = OmegaConf.select(known, parent) if parent else known
+    near = difflib.get_close_matches(leaf, list(node.keys()) if isinstance(node, DictConfig) else [], n=1)
+    hint = f" (did you mean {parent + '.' if parent else ''}{near[0]}?)" if near else ""
+    return ConfigError(f"{full_key}: unknown key; remove it or fix its spelling{hint}")
+
+
 def compose_recipe(name: str, overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> DictConfig:
+    if not (Path(recipes_dir) / f"{name}.yaml").is_file():
+        raise ConfigError(f"recipe '{name}': no {name}.yaml in {recipes_dir}; recipes there: "
+                          f"{', '.join(recipe_names(recipes_dir))}")
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(Path(recipes_dir).resolve()), version_base=None):
@@ -36,7 +54,7 @@ def compose_recipe(name: str, overrides: list[str], recipes_dir: Path = RECIPES_
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         unknown = re.match(r"Could not override '([^']+)'", first)
         if unknown:
-            raise ConfigError(f"{unknown.group(1)}: unknown key; remove it or fix its spelling") from None
+            raise _unknown_key(unknown.group(1), compose_recipe(name, [], recipes_dir)) from None
         raise ConfigError(f"recipe '{name}': {first}") from None
     finally:
         GlobalHydra.instance().clear()
@@ -63,7 +81,7 @@ def to_typed(cfg: DictConfig) -> RootConfig:
             raise ConfigError(f"{missing[0]}: no value set; give it one in the recipe or as {missing[0]}=...")
         return OmegaConf.to_object(merged)
     except ConfigKeyError as e:
-        raise ConfigError(f"{e.full_key}: unknown key; remove it or fix its spelling") from None
+        raise _unknown_key(e.full_key, schema) from None
     except ValidationError as e:
         raise ConfigError(f"{e.full_key}: {e.msg.splitlines()[0]}; give a value of the right type") from None
     except OmegaConfBaseException as e:

@@ -63,7 +63,7 @@ def _metrics(plan: RefitPlan, seconds: float, sender: dict, received: list[dict]
     seconds in the export and in packing; the rest is transport and loading), whether the sender
     copied parameter rows directly, and the generation workers' reports of their side (each
     figure the lowest any of them gave, e.g. the share of its load that was replayed)."""
-    return {"refit/seconds": seconds, "refit/gbytes_per_s": plan.total_bytes / seconds / 1e9,
+    return {"timing/refit_transfer": seconds, "timing/refit_gbytes_per_s": plan.total_bytes / seconds / 1e9,
             "refit/buckets": len(plan.buckets), "timing/refit_export_host": sender["export"],
             "timing/refit_pack_host": sender["pack"], "refit/direct_export": float(sender["direct"]),
             **{key: min(report[key] for report in received) for key in received[0]}}

@@ -33,7 +33,7 @@ def compared(metrics_file) -> dict[int, dict]:
     """Per step, every metric except wall-clock timings (which no two runs share)."""
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith("timing/")
-                        and k not in ("refit/seconds", "refit/gbytes_per_s", "refit/buckets")} for r in rows}
+                        and k != "refit/buckets"} for r in rows}
 
 
 def train_command(out_dir, cache_dir, *extra):

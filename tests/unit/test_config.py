@@ -301,9 +301,20 @@ def test_unreadable_checkpoint_config_is_a_config_error(tmp_path, hf_config):
 
 # ---- recipe and group lookups -----------------------------------------------------------------------------
 
-def test_unknown_recipe():
+def test_unknown_recipe_lists_the_recipes():
     message = load_error([], name="no_such_recipe")
-    assert message.startswith("recipe 'no_such_recipe': ") and "Cannot find primary config 'no_such_recipe'" in message
+    assert message.startswith("recipe 'no_such_recipe': no no_such_recipe.yaml in ")
+    assert "grpo_tiny_cpu, " in message and "sft_tiny_cpu" in message
+
+
+@pytest.mark.parametrize("override,suggestion", [
+    ("algorithm.kl_coeff=0.1", "did you mean algorithm.kl_coef?"),  # Hydra refuses it
+    ("+algorithm.kl_coeff=0.1", "did you mean algorithm.kl_coef?"),  # the schema refuses it
+    ("+polcy.num_workers=2", "did you mean policy?"),
+])
+def test_unknown_key_suggests_the_near_one(override, suggestion):
+    message = load_error([override])
+    assert "unknown key; remove it or fix its spelling" in message and message.endswith(f"({suggestion})")
 
 
 def test_unknown_group_option():
