@@ -1,15 +1,24 @@
-"""Runs inside the sandbox process (python -I -B this_file workdir program.py): installs an
-audit hook, which Python code cannot remove, that refuses network access, process creation,
-native code loading and any write outside workdir; then runs the program."""
+"""The sandbox's launcher (sandbox.py): `python -I -B _sandbox_boot.py SETTINGS_JSON PROGRAM`, the first
+code to run inside it. Sets the rlimits (here, in the child: a preexec_fn is unsafe in the threaded
+processes environments run in), switches to the sandbox's own uid when given one, which drops the
+capabilities bwrap left it, installs the audit hook in the weak mode, then runs PROGRAM as __main__
+from its directory, in this same interpreter.
 
+The audit hook, which Python code cannot remove, refuses network access, process creation, native
+code loading, changing rlimits and any write outside the program's directory. It is what the weak
+mode has instead of bubblewrap's namespaces, and is not a security boundary."""
+
+import json
 import os
+import resource
 import runpy
 import sys
 
-WORKDIR = os.path.realpath(sys.argv[1])
+SETTINGS = json.loads(sys.argv[1])
 PROGRAM = sys.argv[2]
+WORKDIR = os.path.realpath(os.path.dirname(PROGRAM))
 _DENIED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-           "os.forkpty", "ctypes.", "pty.", "os.kill", "signal.")
+           "os.forkpty", "ctypes.", "pty.", "os.kill", "signal.", "resource.")
 _PATH_EVENTS = {"os.remove", "os.rename", "os.replace", "os.mkdir", "os.rmdir", "os.chmod", "os.chown",
                 "os.symlink", "os.link", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move",
                 "shutil.copyfile", "shutil.copytree"}
@@ -38,6 +47,15 @@ def _hook(event: str, args: tuple):
                 raise PermissionError(f"sandbox: {event} on {arg!r} outside the working directory is not allowed")
 
 
-sys.addaudithook(_hook)
+for name, (soft, hard) in SETTINGS["rlimits"].items():
+    resource.setrlimit(getattr(resource, name), (soft, hard))
+if SETTINGS["uid"] is not None:
+    uid = SETTINGS["uid"]
+    os.setgroups([])  # groups and gid first: changing the uid gives up the right to change them
+    os.setgid(uid)
+    os.setuid(uid)
+os.chdir(WORKDIR)
+if SETTINGS["audit_hook"]:
+    sys.addaudithook(_hook)
 sys.argv = [PROGRAM]
 runpy.run_path(PROGRAM, run_name="__main__")

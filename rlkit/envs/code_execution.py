@@ -3,7 +3,7 @@
 import re
 
 from rlkit.envs.base import EnvStep, Environment
-from rlkit.envs.sandbox import SandboxLimits, run_python
+from rlkit.envs.sandbox import SandboxLimits, check_sandbox, run_python
 
 _FENCED = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
 
@@ -15,12 +15,18 @@ def extract_program(response: str) -> str:
 
 
 class CodeExecutionEnv(Environment):
-    """Reward 1 when the program followed by metadata["tests"] (e.g. asserts) exits cleanly."""
+    """Reward 1 when the program followed by metadata["tests"] (e.g. asserts) exits cleanly.
 
-    def __init__(self, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512):
-        self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb)
+    allow_weak_sandbox: where bubblewrap cannot run, accept the weak sandbox (not a security
+    boundary) instead of refusing to start."""
+
+    def __init__(self, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512, processes: int = 32,
+                 allow_weak_sandbox: bool = False):
+        self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, processes=processes)
+        self.allow_weak_sandbox = allow_weak_sandbox
+        check_sandbox(allow_weak_sandbox)  # refuse here, before any training, not at the first reward
 
     def step(self, messages: list[dict], metadata: dict) -> EnvStep:
         program = extract_program(messages[-1]["content"]) + "\n\n" + metadata["tests"] + "\n"
-        result = run_python(program, self.limits)
+        result = run_python(program, self.limits, self.allow_weak_sandbox)
         return EnvStep(reward=1.0 if result.ok else 0.0, done=True, correct=result.ok)

@@ -52,6 +52,9 @@ class EnvWorker:
         self.env = load_environment(target, kwargs)
         self.timeout_s = timeout_s
 
+    def ready(self) -> bool:
+        return True
+
     def step_many(self, items: list[tuple[list[dict], dict]]) -> tuple[list[StepOutcome], bool]:
         executor, stuck = ThreadPoolExecutor(max_workers=1), False
         outcomes = []
@@ -82,6 +85,13 @@ class EnvironmentPool:
         self._remote = ray.remote(num_cpus=0, runtime_env={"env_vars": {"PYTHONPATH": path}})(EnvWorker)
         self.workers = [self._spawn() for _ in range(cfg.num_workers)]
         self._logged_failure = False
+        # an environment that cannot start (e.g. the code sandbox without bubblewrap) stops the run
+        # here, before any training, rather than failing every sample
+        try:
+            ray.get([worker.ready.remote() for worker in self.workers])
+        except ray.exceptions.RayActorError as e:
+            self.shutdown()
+            raise EnvironmentFailure(f"environment {self.target} could not start: {e}") from e
 
     def _spawn(self):
         return self._remote.remote(self.target, self.kwargs, self.cfg.timeout_s)

@@ -76,6 +76,28 @@ def test_fail_fast_raises_with_the_traceback(ray_cluster, faulty_env):
         envs.shutdown()
 
 
+BROKEN = '''
+from rlkit.envs import Environment
+
+class Broken(Environment):
+    def __init__(self):
+        raise RuntimeError("cannot start here")
+
+    def step(self, messages, metadata):
+        raise AssertionError("never called")
+'''
+
+
+def test_environment_that_cannot_start_stops_the_pool(ray_cluster, tmp_path, monkeypatch):
+    """A constructor's error (e.g. the code sandbox without bubblewrap) stops the pool at creation,
+    before any training, instead of failing every sample."""
+    (tmp_path / "broken_env.py").write_text(BROKEN)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(EnvironmentFailure, match="broken_env.Broken could not start") as error:
+        EnvironmentPool({"_target_": "broken_env.Broken"}, runner_cfg())
+    assert "cannot start here" in str(error.value)
+
+
 # what an environment turn looks like between the model's turns, raw and chat-templated
 RAW_TURN = re.compile(r" (higher|lower|a number please)\n\d+\+\d+=")
 CHAT_TURN = re.compile(r"(<\|im_end\|>)?\n<\|im_start\|>user\n (higher|lower|a number please)\n\d+\+\d+="

@@ -1,76 +1,186 @@
-"""Each sandbox limit, proven: time, memory, filesystem, network; and the directory is removed."""
+"""The code sandbox, proven limit by limit: each escape attempt fails inside bubblewrap, and the same
+snippet run as a plain host process (`outside`) succeeds, so each test could fail. Then the weak mode,
+and refusing to start without bubblewrap."""
 
+import os
+import secrets
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
+import pytest
+
+from rlkit.envs import sandbox
 from rlkit.envs.code_execution import CodeExecutionEnv, extract_program
-from rlkit.envs.sandbox import SandboxLimits, run_python
+from rlkit.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python
 
-LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=256)
+LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=256, max_file_mb=1, processes=16, open_files=32)
 
-
-def test_runs_a_program():
-    result = run_python("print(sum(range(10)))", LIMITS)
-    assert result.ok and result.stdout.strip() == "45"
+needs_bwrap = pytest.mark.skipif(not os.access(sandbox.BWRAP, os.X_OK),
+                                 reason=f"bubblewrap not installed ({sandbox.BWRAP}); apt-get install bubblewrap")
 
 
-def test_infinite_loop_is_stopped():
-    start = time.monotonic()
-    result = run_python("while True:\n    pass", LIMITS)
-    assert result.reason in ("cpu", "timeout") and time.monotonic() - start < LIMITS.wall_s + 2
+def outside(snippet: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The snippet as a plain host process, no sandbox."""
+    return subprocess.run([sys.executable, "-c", snippet], cwd=cwd, capture_output=True, text=True, timeout=30)
 
 
-def test_sleeping_program_hits_the_wall_clock():
-    result = run_python("import time\ntime.sleep(60)", SandboxLimits(wall_s=1.0, cpu_s=2, memory_mb=256))
-    assert result.reason == "timeout"
-
-
-def test_memory_bomb_is_stopped():
-    result = run_python("blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))", LIMITS)
-    assert result.reason == "memory"
-
-
-def test_cannot_write_outside_its_directory(tmp_path):
-    target = tmp_path / "escaped.txt"
-    result = run_python(f"open({str(target)!r}, 'w').write('x')", LIMITS)
-    assert not result.ok and "PermissionError" in result.stderr
-    assert not target.exists()
-
-
-def test_can_write_inside_its_directory():
-    assert run_python("open('scratch.txt', 'w').write('x')\nprint(open('scratch.txt').read())", LIMITS).ok
-
-
-def test_cannot_connect_to_a_local_listener():
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    listener.settimeout(1.0)
-    port = listener.getsockname()[1]
-    try:
-        result = run_python(f"import socket\ns = socket.socket()\ns.connect(('127.0.0.1', {port}))", LIMITS)
-        assert not result.ok
+def processes_of(result) -> list[int]:
+    """Live processes from the run whose program printed its working directory first: the scratch
+    directory's unique name is in each one's command line."""
+    name = os.path.basename(result.stdout.split()[0]).encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
         try:
-            connection, _ = listener.accept()
-            connection.close()
-            raise AssertionError("the sandboxed program reached the listener")
-        except socket.timeout:
-            pass
+            if entry.name.isdigit() and name in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            pass  # exited meanwhile
+    return pids
+
+
+@pytest.fixture
+def listener():
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.5)
+    yield server
+    server.close()
+
+
+@needs_bwrap
+def test_runs_a_program_and_removes_its_directory():
+    result = run_python("import os\nprint(os.getcwd(), sum(range(10)))\nopen('scratch.txt', 'w').write('x')", LIMITS)
+    workdir, total = result.stdout.split()
+    assert result.ok and total == "45"
+    assert not Path(tempfile.gettempdir(), Path(workdir).name).exists()
+
+
+@needs_bwrap
+def test_network(listener):
+    port = listener.getsockname()[1]
+    snippet = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).close()"
+    assert not run_python(snippet, LIMITS).ok  # its network namespace has its own, empty, loopback
+    with pytest.raises(socket.timeout):
+        listener.accept()
+    assert outside(snippet).returncode == 0
+    listener.accept()[0].close()
+
+
+@needs_bwrap
+def test_write_outside_scratch(tmp_path):
+    target = tmp_path / "escaped.txt"
+    snippet = f"open({str(target)!r}, 'w').write('x')"
+    result = run_python(snippet, LIMITS)
+    assert not result.ok and not target.exists()
+    assert not run_python("open('/usr/escaped.txt', 'w')", LIMITS).ok  # the system directories: read-only
+    assert outside(snippet).returncode == 0 and target.exists()
+
+
+@needs_bwrap
+def test_file_size(tmp_path):
+    snippet = "open('big', 'wb').write(b'x' * (2 << 20))"  # 2 MB, over LIMITS.max_file_mb
+    result = run_python(snippet, LIMITS)
+    assert not result.ok and "File too large" in result.stderr
+    assert outside(snippet, cwd=tmp_path).returncode == 0
+
+
+@needs_bwrap
+def test_open_files(tmp_path):
+    snippet = "files = [open(f'f{i}', 'w') for i in range(100)]"  # over LIMITS.open_files
+    result = run_python(snippet, LIMITS)
+    assert not result.ok and "Too many open files" in result.stderr
+    assert outside(snippet, cwd=tmp_path).returncode == 0
+
+
+@needs_bwrap
+def test_memory():
+    snippet = "block = bytearray(300 << 20)"  # over LIMITS.memory_mb
+    result = run_python(snippet, LIMITS)
+    assert result.reason == "memory"
+    assert outside(snippet).returncode == 0
+
+
+@needs_bwrap
+def test_cpu_time():
+    result = run_python("while True:\n    pass", SandboxLimits(wall_s=10, cpu_s=1))
+    assert result.reason == "cpu"
+
+
+@needs_bwrap
+def test_wall_clock_leaves_no_process_behind():
+    # a parent and its child both sleep; the parent then reaps the child
+    snippet = "import os, time\nprint(os.getcwd(), flush=True)\nchild = os.fork()\ntime.sleep({})\nchild and os.wait()"
+    start = time.monotonic()
+    result = run_python(snippet.format(60), SandboxLimits(wall_s=1.0))
+    assert result.reason == "timeout" and time.monotonic() - start < 3
+    assert processes_of(result) == []
+    assert outside(snippet.format(0.1)).returncode == 0
+
+
+@needs_bwrap
+def test_processes_capped():
+    snippet = ("import os, signal\nchildren = []\nfor _ in range(50):\n    pid = os.fork()\n    if pid == 0:\n"
+               "        signal.pause()\n    children.append(pid)\nfor pid in children:\n"
+               "    os.kill(pid, signal.SIGKILL)\n    os.waitpid(pid, 0)\nprint(len(children))")
+    result = run_python(snippet, LIMITS)
+    assert not result.ok and "BlockingIOError" in result.stderr  # fork refused past LIMITS.processes
+    assert outside(snippet).stdout.strip() == "50"
+
+
+@needs_bwrap
+def test_fork_bomb_is_stopped_and_leaves_no_process_behind():
+    bomb = ("import os\nprint(os.getcwd(), flush=True)\nwhile True:\n    try:\n        os.fork()\n"
+            "    except OSError:\n        pass")
+    start = time.monotonic()
+    result = run_python(bomb, SandboxLimits(wall_s=2.0, processes=16))
+    assert result.reason == "timeout" and time.monotonic() - start < 5
+    assert processes_of(result) == []
+    assert subprocess.run(["true"]).returncode == 0  # the host can still start processes
+
+
+@needs_bwrap
+def test_home_directory_is_hidden():
+    marker_dir = Path.home() / f".rlkit-sandbox-test-{secrets.token_hex(4)}"
+    marker_dir.mkdir()
+    try:
+        marker = marker_dir / "marker.txt"
+        marker.write_text("secret")
+        snippet = f"print(open({str(marker)!r}).read())"
+        result = run_python(snippet, LIMITS)
+        assert not result.ok and "secret" not in result.stdout
+        assert marker_dir.name not in run_python(f"import os\nprint(os.listdir({str(Path.home())!r}))", LIMITS).stdout
+        assert outside(snippet).stdout.strip() == "secret"
     finally:
-        listener.close()
+        shutil.rmtree(marker_dir)
 
 
-def test_cannot_start_processes():
-    result = run_python("import os\nos.system('true')", LIMITS)
-    assert not result.ok and "not allowed" in result.stderr
+@needs_bwrap
+def test_cannot_kill_a_host_process():
+    inside_target, outside_target = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
+    try:
+        snippet = "import os, signal\nos.kill({}, signal.SIGKILL)"
+        result = run_python(snippet.format(inside_target.pid), LIMITS)
+        assert "ProcessLookupError" in result.stderr and inside_target.poll() is None  # not in its PID namespace
+        assert outside(snippet.format(outside_target.pid)).returncode == 0
+        assert outside_target.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        for sleeper in (inside_target, outside_target):
+            sleeper.kill()
+            sleeper.wait()
 
 
-def test_working_directory_is_removed():
-    import os
-    result = run_python("import os\nprint(os.getcwd())", LIMITS)
-    assert result.ok and not os.path.exists(result.stdout.strip())
+@needs_bwrap
+def test_output_is_truncated():
+    result = run_python("print('x' * 200_000)", LIMITS)
+    assert result.ok and len(result.stdout) == 65536
 
 
+@needs_bwrap
 def test_code_execution_env():
     env = CodeExecutionEnv(wall_s=3, cpu_s=2, memory_mb=256)
     tests = {"tests": "assert add(2, 3) == 5"}
@@ -80,3 +190,38 @@ def test_code_execution_env():
     assert env.step(good, tests).reward == 1.0
     assert env.step(bad, tests).reward == 0.0
     assert extract_program("no fences") == "no fences"
+
+
+# ---- without bubblewrap: refuse, or the weak mode when opted in -------------------------------------
+
+
+@pytest.fixture
+def no_bwrap(tmp_path, monkeypatch):
+    monkeypatch.setattr(sandbox, "BWRAP", str(tmp_path / "no-bwrap"))
+
+
+@pytest.mark.usefixtures("no_bwrap")
+class TestWithoutBubblewrap:
+    def test_refuses_with_the_fix(self):
+        with pytest.raises(SandboxUnavailable, match=r"apt-get install bubblewrap.*env\.allow_weak_sandbox=true"):
+            CodeExecutionEnv()
+        with pytest.raises(SandboxUnavailable):
+            run_python("print(1)")
+
+    def test_weak_mode_when_opted_in(self, caplog):
+        env = CodeExecutionEnv(wall_s=3, cpu_s=2, memory_mb=256, allow_weak_sandbox=True)
+        assert "not a security boundary" in caplog.text
+        messages = [{"role": "assistant", "content": "```python\ndef add(a, b):\n    return a + b\n```"}]
+        assert env.step(messages, {"tests": "assert add(2, 3) == 5"}).reward == 1.0
+        assert env.step(messages, {"tests": "assert add(2, 3) == 6"}).reward == 0.0
+
+    def test_weak_mode_keeps_its_limits(self, tmp_path):
+        def weak(source, limits=LIMITS):
+            return run_python(source, limits, allow_weak=True)
+        assert weak("block = bytearray(300 << 20)").reason == "memory"
+        assert weak("while True:\n    pass", SandboxLimits(wall_s=1.0)).reason == "timeout"
+        target = tmp_path / "escaped.txt"
+        assert "not allowed" in weak(f"open({str(target)!r}, 'w').write('x')").stderr and not target.exists()
+        assert "not allowed" in weak("import socket\nsocket.socket()").stderr
+        assert "not allowed" in weak("import os\nos.system('true')").stderr
+        assert "not allowed" in weak("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))").stderr
