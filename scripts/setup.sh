@@ -1,10 +1,22 @@
 #!/usr/bin/env bash
 # Create .venv with rlkit and its CPU dependencies. Idempotent: re-running only checks.
-# torch is installed first from the pinned CPU build so no dependency pulls a CUDA wheel.
+# torch is installed first, as its CPU build, so no dependency pulls a CUDA wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q torch==2.13.0
+# PyPI's Linux torch is the CUDA build (gigabytes of dependencies) and PyPI holds no "+cpu" release:
+# the first form finds a CPU wheel a local wheel folder or mirror offers (offline machines), the
+# second takes it from PyTorch's own CPU index
+.venv/bin/python -m pip install -q torch==2.13.0+cpu 2>/dev/null \
+  || .venv/bin/python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 .venv/bin/python -m pip install -q -e '.[test]'
+# bubblewrap is the code sandbox's isolation (rlkit/envs/sandbox.py); code rewards refuse to run without it
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q bubblewrap >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }
+  else
+    echo "setup: install bubblewrap (e.g. sudo apt-get install bubblewrap) for code rewards" >&2
+  fi
+fi
