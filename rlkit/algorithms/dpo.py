@@ -2,6 +2,7 @@
 step = one optimizer step on policy.train_global_batch_size / 2 pairs. An optional SFT warm
 start on the chosen responses (algorithm.warm_start) becomes both the start and the reference."""
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ class DPOConfig(AlgorithmConfig):
 
 def load_pairs(cfg: RootConfig, tokenizer) -> TrainingData:
     train, val = load_tokenized_splits(
-        cfg.data, lambda row, where: tokenize_preference_row(tokenizer, row, where),
+        cfg.data, functools.partial(tokenize_preference_row, tokenizer),
         lambda path, rows: write_arithmetic_preferences(path, rows, cfg.data.synthetic.seed))
     return TrainingData(train, val, identity=file_identity(cfg.data.train_path))
 

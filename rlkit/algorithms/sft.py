@@ -1,6 +1,7 @@
 """Supervised fine-tuning: next-token NLL on the response tokens of file rows, no rollouts. One
 step = one optimizer step on policy.train_global_batch_size examples (packed if data.pack)."""
 
+import functools
 from dataclasses import dataclass
 
 from rlkit.algorithms.loop import RunContext, TrainingData
@@ -20,7 +21,7 @@ class SFTConfig(AlgorithmConfig):
 
 
 def load_examples(cfg: RootConfig, tokenizer) -> TrainingData:
-    train, val = load_tokenized_splits(cfg.data, lambda row, where: tokenize_sft_row(tokenizer, row, where),
+    train, val = load_tokenized_splits(cfg.data, functools.partial(tokenize_sft_row, tokenizer),
                                        lambda path, rows: write_arithmetic_sft(path, rows, chat=True))
     return TrainingData(train, val)
 

@@ -136,6 +136,7 @@ class PromptDataConfig:
     prompt_field: str = MISSING
     answer_field: Optional[str] = MISSING
     max_prompt_tokens: int = MISSING
+    max_row_bytes: int = MISSING
     chat_template: bool = MISSING
     system_prompt: Optional[str] = MISSING
     prompt_format: str = MISSING
@@ -148,6 +149,7 @@ class FileDataConfig:
     train_path: str = MISSING
     val_path: Optional[str] = MISSING
     max_length: int = MISSING
+    max_row_bytes: int = MISSING
     synthetic: Optional[ArithmeticSetConfig] = None
 
 

@@ -11,9 +11,10 @@ import datasets
 LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
-def load_rows(source: str, split: str = "train", subset: str | None = None) -> list[dict]:
+def load_rows(source: str, max_row_bytes: int, split: str = "train", subset: str | None = None) -> list[dict]:
     """All rows of a local .json/.jsonl/.parquet file, or of one split of a local dataset folder or
-    a hub dataset (subset: the hub dataset's configuration, e.g. "main" for openai/gsm8k)."""
+    a hub dataset (subset: the hub dataset's configuration, e.g. "main" for openai/gsm8k). A row
+    whose text is over max_row_bytes (data.max_row_bytes) is an error naming it and its largest field."""
     path = Path(source).expanduser()
     loader = LOCAL_LOADERS.get(path.suffix.lower())
     looks_local = loader is not None or source.startswith(("/", "./", "../", "~"))
@@ -37,7 +38,26 @@ def load_rows(source: str, split: str = "train", subset: str | None = None) -> l
                              f"run where the hub is reachable") from e
     if len(dataset) == 0:
         raise ValueError(f"{source}: has no rows; give a file with at least one row")
-    return dataset.to_list()
+    rows = dataset.to_list()
+    for i, row in enumerate(rows):
+        sizes = {field: _text_bytes(value) for field, value in row.items()}
+        if sum(sizes.values()) > max_row_bytes:
+            field = max(sizes, key=sizes.get)
+            raise ValueError(f"{source} row {i}: {sum(sizes.values())} bytes of text, over data.max_row_bytes="
+                             f"{max_row_bytes} (field '{field}' holds {sizes[field]}); shorten or drop the row, "
+                             f"or raise data.max_row_bytes")
+    return rows
+
+
+def _text_bytes(value) -> int:
+    """UTF-8 bytes of the strings in a field (nested in lists and records, as chat messages are)."""
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, dict):
+        return sum(map(_text_bytes, value.values()))
+    if isinstance(value, (list, tuple)):
+        return sum(map(_text_bytes, value))
+    return 0
 
 
 def write_jsonl(path: str | os.PathLike, records: list[dict], only_if_changed: bool = False) -> bool:

@@ -7,12 +7,14 @@ under "answer". Rendering goes through the tokenizer's chat template (data.chat_
 the raw text for base models and the tiny demos.
 """
 
+import functools
 import logging
 from dataclasses import dataclass
 
 from rlkit.config.schema import ConfigError, PromptDataConfig
 from rlkit.data.arithmetic import arithmetic_splits
 from rlkit.data.files import load_rows, write_jsonl
+from rlkit.data.truncation import head_for_tokens
 from rlkit.data.word_problems import word_problem_splits
 
 log = logging.getLogger("rlkit")
@@ -112,7 +114,7 @@ def load_prompt_splits(d: PromptDataConfig, renderer: PromptRenderer) -> tuple[l
             splits.append([])
             continue
         try:
-            rows = load_rows(path, split, d.subset)
+            rows = load_rows(path, d.max_row_bytes, split, d.subset)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"{key}: {e}") from None
         prompts = [_prompt(row, f"{path} row {i}", d, renderer) for i, row in enumerate(rows)]
@@ -143,6 +145,9 @@ def _prompt(row: dict, where: str, d: PromptDataConfig, renderer: PromptRenderer
     metadata = {k: v for k, v in row.items() if k != d.prompt_field}
     if d.answer_field is not None:
         metadata["answer"] = row[d.answer_field]
+    # only the head of a long prompt is tokenized: cut, it is still too long and dropped by the caller
+    cut = functools.partial(head_for_tokens, renderer.tokenizer, tokens=d.max_prompt_tokens)
+    prompt = cut(prompt) if isinstance(prompt, str) else [{**m, "content": cut(m["content"])} for m in prompt]
     messages = renderer.messages(prompt)
     return Prompt(messages, renderer.prompt_ids(messages), metadata)
 

@@ -13,14 +13,16 @@ from pathlib import Path
 from rlkit.config.schema import ConfigError
 from rlkit.data.arithmetic import arithmetic_splits
 from rlkit.data.files import load_rows
+from rlkit.data.truncation import head_for_tokens
 
 log = logging.getLogger("rlkit")
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def tokenize_sft_row(tokenizer, row: dict, where: str) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of one SFT row, chat-templated; loss on every assistant turn.
+def tokenize_sft_row(tokenizer, row: dict, where: str, max_tokens: int) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one SFT row, chat-templated; loss on every assistant turn. Their
+    first max_tokens (data.max_length) are exact; what lies past them may be cut short.
 
     `where` (e.g. "data.train_path row 12") names the row in error messages.
     """
@@ -28,12 +30,14 @@ def tokenize_sft_row(tokenizer, row: dict, where: str) -> tuple[list[int], list[
     trained = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     if not trained:
         raise ValueError(f"{where}: 'messages' has no assistant message to train on; add one")
-    return _chat_tokens(tokenizer, messages, trained, where)
+    return _chat_tokens(tokenizer, messages, trained, where, max_tokens)
 
 
-def tokenize_preference_row(tokenizer, row: dict, where: str) -> tuple[list[int], list[int], list[int], list[int]]:
+def tokenize_preference_row(tokenizer, row: dict, where: str,
+                            max_tokens: int) -> tuple[list[int], list[int], list[int], list[int]]:
     """(chosen_ids, chosen_mask, rejected_ids, rejected_mask): the prompt as user turn(s) followed by
-    each response as an assistant turn; the mask covers only that final response (+ end-of-turn)."""
+    each response as an assistant turn; the mask covers only that final response (+ end-of-turn).
+    The first max_tokens of each are exact, as in tokenize_sft_row."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: is a {type(row).__name__}, not a record; give each row prompt, chosen, rejected")
     prompt = row.get("prompt")
@@ -50,7 +54,7 @@ def tokenize_preference_row(tokenizer, row: dict, where: str) -> tuple[list[int]
         if not isinstance(response, str):
             raise ValueError(f"{where} lacks '{field}' (a string); give each row prompt, chosen, rejected")
         messages = prompt_messages + [{"role": "assistant", "content": response}]
-        out.extend(_chat_tokens(tokenizer, messages, [len(messages) - 1], where))
+        out.extend(_chat_tokens(tokenizer, messages, [len(messages) - 1], where, max_tokens))
     return tuple(out)
 
 
@@ -80,8 +84,10 @@ def _checked_messages(messages, where: str, field: str) -> list[dict]:
     return messages
 
 
-def _chat_tokens(tokenizer, messages: list[dict], trained: list[int], where: str) -> tuple[list[int], list[int]]:
-    """Tokens of the chat-templated conversation, with loss on the assistant messages at `trained`.
+def _chat_tokens(tokenizer, messages: list[dict], trained: list[int], where: str,
+                 max_tokens: int) -> tuple[list[int], list[int]]:
+    """Tokens of the chat-templated conversation, with loss on the assistant messages at `trained`;
+    each message is first cut to what its first max_tokens tokens need (truncation.py).
 
     The template is rendered for growing prefixes of the conversation; each trained message k spans
     from the end of render(messages[:k], add_generation_prompt=True) to the end of
@@ -90,6 +96,7 @@ def _chat_tokens(tokenizer, messages: list[dict], trained: list[int], where: str
     with its neighbours. Within a span, template text after the last special token (e.g. the "\\n"
     after <|im_end|>) is not trained on.
     """
+    messages = [{**m, "content": head_for_tokens(tokenizer, m["content"], max_tokens)} for m in messages]
     special_ids = set(tokenizer.all_special_ids)
     special_ids |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
     full = _render(tokenizer, messages, False)
@@ -135,7 +142,7 @@ def _unstable(where: str, why: str) -> str:
 def load_tokenized_splits(d, tokenize, synthetic_writer) -> tuple[list, list]:
     """Tokenized (train, val) examples of data.train_path / data.val_path (d: FileDataConfig),
     after writing the synthetic set there first if data.synthetic asks for it and the files are
-    missing. tokenize(row, where) -> example; synthetic_writer(path, rows)."""
+    missing. tokenize(row, where, max_tokens) -> example; synthetic_writer(path, rows)."""
     if d.synthetic is not None:
         for path, rows in zip([d.train_path, d.val_path], arithmetic_splits(d.synthetic)):
             if path is not None and not Path(path).exists():
@@ -147,7 +154,7 @@ def load_tokenized_splits(d, tokenize, synthetic_writer) -> tuple[list, list]:
             splits.append([])
             continue
         try:
-            splits.append([tokenize(row, f"{path} row {i}") for i, row in enumerate(load_rows(path))])
+            splits.append([tokenize(row, f"{path} row {i}", d.max_length) for i, row in enumerate(load_rows(path, d.max_row_bytes))])
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"{key}: {e}") from None
     return splits[0], splits[1]

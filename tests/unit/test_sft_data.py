@@ -18,6 +18,8 @@ ROWS = [
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3-1="},
                   {"role": "assistant", "content": "2"}]},
 ]
+ROW_BYTES = 1 << 20
+MAX_TOKENS = 64
 ARITHMETIC = [{"prompt": "12+7=", "answer": "19"}, {"prompt": "3-5=", "answer": "-2"},
               {"prompt": "4*6=", "answer": "24"}, {"prompt": "0+0=", "answer": "0"}]
 
@@ -34,7 +36,8 @@ def write_jsonl(path, rows):
 
 def tokenize_file(tokenizer, path):
     """What a recipe does: every row of a file, named by file and row in errors."""
-    return [tokenize_sft_row(tokenizer, row, f"{path} row {i}") for i, row in enumerate(load_rows(path))]
+    rows = load_rows(path, ROW_BYTES)
+    return [tokenize_sft_row(tokenizer, row, f"{path} row {i}", MAX_TOKENS) for i, row in enumerate(rows)]
 
 
 def masked_text(tokenizer, ids, mask):
@@ -47,7 +50,7 @@ def test_json_jsonl_parquet_load_the_same_rows(tmp_path):
     jsonl = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     (tmp_path / "rows.json").write_text(json.dumps(ROWS))
     pd.DataFrame(ROWS).to_parquet(tmp_path / "rows.parquet")
-    loaded = [load_rows(p) for p in (jsonl, str(tmp_path / "rows.json"), str(tmp_path / "rows.parquet"))]
+    loaded = [load_rows(p, ROW_BYTES) for p in (jsonl, str(tmp_path / "rows.json"), str(tmp_path / "rows.parquet"))]
     assert loaded[0] == ROWS
     assert loaded[1] == ROWS and loaded[2] == ROWS
 
@@ -62,24 +65,24 @@ def test_mixed_formats_in_one_file_load_and_tokenize(tmp_path, tokenizer):
 def test_missing_file_names_it(tmp_path):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError, match=f"{missing}: no such file"):
-        load_rows(missing)
+        load_rows(missing, ROW_BYTES)
     with pytest.raises(FileNotFoundError, match="no such file"):
-        load_rows("./not/here")
+        load_rows("./not/here", ROW_BYTES)
 
 
 def test_unsupported_and_malformed_files_name_the_file(tmp_path):
     csv = tmp_path / "rows.csv"
     csv.write_text("prompt,response\n1+1=,2\n")
     with pytest.raises(ValueError, match=r"rows.csv: unsupported file type '\.csv'; give a \.json"):
-        load_rows(str(csv))
+        load_rows(str(csv), ROW_BYTES)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "1+1=", "response": \n')
     with pytest.raises(ValueError, match="broken.jsonl: could not be read as json"):
-        load_rows(str(broken))
+        load_rows(str(broken), ROW_BYTES)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ValueError, match="empty.jsonl"):
-        load_rows(str(empty))
+        load_rows(str(empty), ROW_BYTES)
 
 
 def test_hub_name_failure_says_what_to_do(monkeypatch):
@@ -89,13 +92,13 @@ def test_hub_name_failure_says_what_to_do(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", unreachable)
     with pytest.raises(ValueError, match=r"someorg/chat: not a local file, and loading it as a Hugging Face hub "
                                          r"dataset \(split 'test'\) failed .*give a local \.json"):
-        load_rows("someorg/chat", split="test")
+        load_rows("someorg/chat", ROW_BYTES, split="test")
 
 
 # loss masks
 
 def test_prompt_response_mask_covers_the_response_and_end_of_turn(tokenizer):
-    ids, mask = tokenize_sft_row(tokenizer, {"prompt": "12+7=", "response": "19"}, "row 0")
+    ids, mask = tokenize_sft_row(tokenizer, {"prompt": "12+7=", "response": "19"}, "row 0", MAX_TOKENS)
     messages = [{"role": "user", "content": "12+7="}, {"role": "assistant", "content": "19"}]
     full = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
     assert ids == full["input_ids"] and len(mask) == len(ids)
@@ -112,7 +115,7 @@ def test_two_turn_messages_mask_every_assistant_turn(tokenizer):
     row = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12+7="},
                         {"role": "assistant", "content": "19"}, {"role": "user", "content": "and 3-1="},
                         {"role": "assistant", "content": "The answer is 2"}]}
-    ids, mask = tokenize_sft_row(tokenizer, row, "row 0")
+    ids, mask = tokenize_sft_row(tokenizer, row, "row 0", MAX_TOKENS)
     assert ids == tokenizer(tokenizer.apply_chat_template(row["messages"], tokenize=False),
                             add_special_tokens=False)["input_ids"]
     spans, start = [], None  # maximal runs of mask 1
@@ -127,7 +130,7 @@ def test_two_turn_messages_mask_every_assistant_turn(tokenizer):
 
 def test_response_starting_with_a_newline_is_located_exactly(tokenizer):
     # "assistant\n" + "\nok" would merge into one "\n\n" token if tokenized as one text
-    ids, mask = tokenize_sft_row(tokenizer, {"prompt": "hi", "response": "\nok"}, "row 0")
+    ids, mask = tokenize_sft_row(tokenizer, {"prompt": "hi", "response": "\nok"}, "row 0", MAX_TOKENS)
     assert masked_text(tokenizer, ids, mask) == "\nok<|im_end|>"
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\nok"}], tokenize=False)
@@ -137,17 +140,17 @@ def test_template_that_is_not_prefix_stable_is_refused(tokenizer):
     unstable = build_tokenizer()
     unstable.chat_template = "{{ messages | length }}" + unstable.chat_template  # a turn count rewrites the start
     with pytest.raises(ValueError, match="row 4: the tokenizer's chat template is not prefix-stable"):
-        tokenize_sft_row(unstable, {"prompt": "1+1=", "response": "2"}, "row 4")
+        tokenize_sft_row(unstable, {"prompt": "1+1=", "response": "2"}, "row 4", MAX_TOKENS)
 
 
 def test_preference_row_masks_only_the_final_response(tokenizer):
     row = {"prompt": "12+7=", "chosen": "19", "rejected": "18"}
-    chosen_ids, chosen_mask, rejected_ids, rejected_mask = tokenize_preference_row(tokenizer, row, "row 0")
-    assert (chosen_ids, chosen_mask) == tokenize_sft_row(tokenizer, {"prompt": "12+7=", "response": "19"}, "row 0")
+    chosen_ids, chosen_mask, rejected_ids, rejected_mask = tokenize_preference_row(tokenizer, row, "row 0", MAX_TOKENS)
+    assert (chosen_ids, chosen_mask) == tokenize_sft_row(tokenizer, {"prompt": "12+7=", "response": "19"}, "row 0", MAX_TOKENS)
     assert masked_text(tokenizer, rejected_ids, rejected_mask) == "18<|im_end|>"
     history = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
                {"role": "user", "content": "12+7="}]
-    ids, mask, _, _ = tokenize_preference_row(tokenizer, {**row, "prompt": history}, "row 0")
+    ids, mask, _, _ = tokenize_preference_row(tokenizer, {**row, "prompt": history}, "row 0", MAX_TOKENS)
     assert masked_text(tokenizer, ids, mask) == "19<|im_end|>"  # not the earlier assistant turn
 
 
@@ -173,7 +176,7 @@ def test_bad_rows_name_file_row_and_field(tmp_path, tokenizer, row, message):
 
 def test_non_string_response_is_refused(tokenizer):
     with pytest.raises(ValueError, match=r"train.jsonl row 2 lacks 'response' \(a string\)"):
-        tokenize_sft_row(tokenizer, {"prompt": "1+1=", "response": 2}, "train.jsonl row 2")
+        tokenize_sft_row(tokenizer, {"prompt": "1+1=", "response": 2}, "train.jsonl row 2", MAX_TOKENS)
 
 
 @pytest.mark.parametrize("row, field", [
@@ -183,7 +186,32 @@ def test_non_string_response_is_refused(tokenizer):
 ])
 def test_bad_preference_rows_name_the_field(tokenizer, row, field):
     with pytest.raises(ValueError, match=f"prefs.jsonl row 7 lacks '{field}'"):
-        tokenize_preference_row(tokenizer, row, "prefs.jsonl row 7")
+        tokenize_preference_row(tokenizer, row, "prefs.jsonl row 7", MAX_TOKENS)
+
+
+# bounded work on any row
+
+def test_a_long_response_is_cut_before_tokenizing_with_the_same_first_tokens(tokenizer, monkeypatch):
+    row = {"prompt": "Tell me a story.", "response": "once upon a time there was a fox. " * 20_000}
+    whole_ids, whole_mask = tokenize_sft_row(tokenizer, row, "row 0", 10**9)
+    longest = record_longest_tokenized(tokenizer, monkeypatch)
+    ids, mask = tokenize_sft_row(tokenizer, row, "row 0", MAX_TOKENS)
+    assert len(ids) > MAX_TOKENS and (ids[:MAX_TOKENS], mask[:MAX_TOKENS]) == (whole_ids[:MAX_TOKENS], whole_mask[:MAX_TOKENS])
+    assert max(longest) < 2000  # characters, of a 700,000-character response
+
+
+def test_a_row_over_the_byte_limit_names_file_row_and_field(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [ROWS[0], {"prompt": "1+1=", "response": "é" * 600}])
+    with pytest.raises(ValueError, match=re.escape(path) + r" row 1: 1204 bytes of text, over data.max_row_bytes=1000 "
+                                         r"\(field 'response' holds 1200\); shorten or drop the row"):
+        load_rows(path, 1000)
+
+
+def record_longest_tokenized(tokenizer, monkeypatch) -> list[int]:
+    """Lengths of the texts the tokenizer is asked to tokenize, from now on."""
+    seen, tokenize = [], type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, text, **kw: seen.append(len(text)) or tokenize(self, text, **kw))
+    return seen
 
 
 # synthetic writers
@@ -191,7 +219,7 @@ def test_bad_preference_rows_name_the_field(tokenizer, row, field):
 @pytest.mark.parametrize("chat", [False, True])
 def test_arithmetic_sft_file_loads_and_trains_on_the_answer(tmp_path, tokenizer, chat):
     path = write_arithmetic_sft(tmp_path / "sub" / "sft.jsonl", ARITHMETIC, chat=chat)
-    rows = load_rows(str(path))
+    rows = load_rows(str(path), ROW_BYTES)
     assert ("messages" in rows[0]) == chat and len(rows) == len(ARITHMETIC)
     texts = [masked_text(tokenizer, *pair) for pair in tokenize_file(tokenizer, str(path))]
     assert texts == [r["answer"] + "<|im_end|>" for r in ARITHMETIC]
@@ -200,17 +228,17 @@ def test_arithmetic_sft_file_loads_and_trains_on_the_answer(tmp_path, tokenizer,
 
 def test_arithmetic_preferences_are_deterministic_and_differ(tmp_path, tokenizer):
     path = write_arithmetic_preferences(tmp_path / "prefs.jsonl", ARITHMETIC, seed=3)
-    rows = load_rows(str(path))
+    rows = load_rows(str(path), ROW_BYTES)
     assert [r["chosen"] for r in rows] == [r["answer"] for r in ARITHMETIC]
     assert all(r["rejected"] != r["chosen"] and 1 <= abs(int(r["rejected"]) - int(r["chosen"])) <= 3 for r in rows)
     again = write_arithmetic_preferences(tmp_path / "again.jsonl", ARITHMETIC, seed=3)
     assert again.read_text() == path.read_text()
     for i, row in enumerate(rows):
-        chosen_ids, _, rejected_ids, _ = tokenize_preference_row(tokenizer, row, f"{path} row {i}")
+        chosen_ids, _, rejected_ids, _ = tokenize_preference_row(tokenizer, row, f"{path} row {i}", MAX_TOKENS)
         assert chosen_ids != rejected_ids
 
 
 def test_rewrite_replaces_the_file_whole(tmp_path):
     path = write_arithmetic_sft(tmp_path / "sft.jsonl", ARITHMETIC, chat=False)
     write_arithmetic_sft(path, ARITHMETIC[:1], chat=False)
-    assert load_rows(str(path)) == [{"prompt": "12+7=", "response": "19"}]
+    assert load_rows(str(path), ROW_BYTES) == [{"prompt": "12+7=", "response": "19"}]
