@@ -20,7 +20,7 @@ def _train(args) -> int:
     from rlkit.launch.run import train
 
     result = train(cfg, resolved)
-    first, last = result.history[0], result.history[-1]
+    first, last = (result.history[0], result.history[-1]) if result.history else ({}, {})
     moved = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in first if k.startswith("val/") and k in last)
     logging.getLogger("rlkit").info("done: %s; metrics in %s", moved, result.run_dir / "metrics.jsonl")
     return 0

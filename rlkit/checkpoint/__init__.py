@@ -6,22 +6,33 @@ Layout of <run_dir>/checkpoints/step_000042/:
   critic/                 the same for PPO's critic
   rng/<model>_rank_<r>.pt each rank's RNG states and learning rate
   controller.pt           step, data-stream position
-  config.yaml        the resolved config of the run
+  config.yaml             the resolved config of the run
+  manifest.json           every other file's size and SHA-256, written last
 A checkpoint is written into step_N.tmp-<pid> and renamed when complete, so a directory named
-step_N is always whole; leftovers of a killed write are never read and are removed.
+step_N is always whole; leftovers of a killed write are never read and are removed. A whole
+checkpoint is trusted only once its files match its manifest: a file lost or damaged since (a
+rank's RNG file, a truncated shard) is found before any worker starts, and the run resumes from
+the newest intact checkpoint instead.
 """
 
+import hashlib
+import json
+import logging
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit.config.schema import CheckpointConfig
+from rlkit.config.schema import CheckpointConfig, ConfigError
+
+log = logging.getLogger("rlkit")
 
 _COMPLETE = re.compile(r"^step_(\d{6})$")
+MANIFEST = "manifest.json"
 
 
 class CheckpointManager:
@@ -37,17 +48,31 @@ class CheckpointManager:
         return [p for _, p in sorted(found)]
 
     def to_resume(self) -> Path | None:
-        """The checkpoint checkpoint.resume asks for: auto = newest complete one (None if none),
-        none = never, otherwise a path."""
+        """The checkpoint checkpoint.resume asks for, verified: auto = the newest intact one (None if
+        there are no checkpoints; a damaged one is reported and skipped), none = never, otherwise a path."""
         if self.cfg.resume == "none":
             return None
         if self.cfg.resume == "auto":
-            found = self.complete()
-            return found[-1] if found else None
+            damaged = []
+            for path in reversed(self.complete()):
+                problem = verify(path)
+                if problem is None:
+                    return path
+                log.warning("checkpoint %s is damaged: %s; trying the one before it", path, problem)
+                damaged.append(path.name)
+            if damaged:
+                raise ConfigError(f"checkpoint.resume=auto: every checkpoint in {self.root} is damaged "
+                                  f"({', '.join(damaged)}; see above); move them away, or set checkpoint.resume=none "
+                                  f"to start over")
+            return None
         path = Path(self.cfg.resume)
         if not _COMPLETE.match(path.name) or not path.is_dir():
-            raise FileNotFoundError(f"checkpoint.resume={self.cfg.resume}: not a complete checkpoint directory "
-                                    f"(step_NNNNNN); use auto, none, or such a directory")
+            raise ConfigError(f"checkpoint.resume={self.cfg.resume}: not a complete checkpoint directory "
+                              f"(step_NNNNNN); use auto, none, or such a directory")
+        problem = verify(path)
+        if problem is not None:
+            raise ConfigError(f"checkpoint.resume={path}: the checkpoint is damaged: {problem}; resume from "
+                              f"another one, or use auto to take the newest intact one")
         return path
 
     def save(self, step: int, write_models, controller_state: dict, resolved: DictConfig) -> Path:
@@ -59,6 +84,7 @@ class CheckpointManager:
         write_models(str(tmp))
         torch.save(controller_state, tmp / "controller.pt")
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        _write_manifest(tmp)
         if final.exists():  # a resumed run re-reaching a step it had already saved
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -66,12 +92,63 @@ class CheckpointManager:
         return final
 
     def _prune(self):
+        """Remove leftovers of killed writes, and all but the newest checkpoint.keep_last checkpoints
+        and the newest keep_last intact ones (checked by sizes, which is cheap): a damaged newer
+        checkpoint never costs the intact ones a resume needs."""
         for stale in [p for p in self.root.iterdir() if ".tmp-" in p.name]:
             shutil.rmtree(stale, ignore_errors=True)
-        for old in self.complete()[:-self.cfg.keep_last] if self.cfg.keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        if self.cfg.keep_last <= 0:
+            return
+        found = self.complete()
+        intact = [path for path in found if verify(path, checksums=False) is None]
+        keep = set(found[-self.cfg.keep_last:]) | set(intact[-self.cfg.keep_last:])
+        for path in found:
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
 
     @staticmethod
     def controller_state(path: Path) -> dict:
         return torch.load(path / "controller.pt", weights_only=False)
 
+
+
+def verify(path: Path, checksums: bool = True) -> str | None:
+    """None if every file in the checkpoint's manifest is there with its size (and checksum);
+    otherwise what is wrong, naming the file."""
+    try:
+        entries = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (written last: the write never finished, or rlkit older than manifests wrote it)"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"its {MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    for name, entry in entries.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != entry["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, {entry['bytes']} when written"
+    if checksums:
+        names = list(entries)
+        for name, digest in zip(names, _digests([path / name for name in names])):
+            if digest != entries[name]["sha256"]:
+                return f"{name} differs from what was written (SHA-256 mismatch)"
+    return None
+
+
+def _write_manifest(directory: Path):
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": digest}
+               for p, digest in zip(files, _digests(files))}
+    (directory / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def _digests(files: list[Path]) -> list[str]:
+    """SHA-256 of each file, several at once (hashlib releases the GIL on large reads)."""
+    def digest(path: Path) -> str:
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                sha.update(chunk)
+        return sha.hexdigest()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(digest, files))

@@ -20,7 +20,7 @@ from rlkit.launch.config import to_typed
 from rlkit.models.resolve import resolve_model_dir
 from rlkit.models.tokenizer import load_tokenizer
 from rlkit.observability.logprob_agreement import logprob_error
-from rlkit.observability.metrics import MetricsLogger
+from rlkit.observability.metrics import MetricsLogger, read_history
 from rlkit.refit.driver import RefitDriver
 
 log = logging.getLogger("rlkit")
@@ -32,6 +32,12 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir)
     resume_from = checkpoints.to_resume()
+    state_step = CheckpointManager.controller_state(resume_from)["step"] if resume_from else None
+    if state_step is not None and state_step >= cfg.algorithm.num_steps:
+        log.info("%s already finished: its checkpoint %s is at step %d of algorithm.num_steps=%d, so there is "
+                 "nothing to do (raise algorithm.num_steps to train on, or set run.name for a new run)",
+                 cfg.run.name, resume_from, state_step, cfg.algorithm.num_steps)
+        return RunResult(read_history(run_dir, state_step), run_dir)
     model_dir = resolve_model_dir(cfg)
     tokenizer = load_tokenizer(model_dir)
     data = algorithm.load_data(cfg, tokenizer)
@@ -40,7 +46,6 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
         start_dir, warm_dir = warm_start_dir(cfg, model_dir, resume_from, algorithm.uses_reference(cfg.algorithm),
                                              *data.identity)
     workers = start_workers(cfg, str(start_dir), with_generation=algorithm.rollouts, with_critic=algorithm.critic)
-    state_step = CheckpointManager.controller_state(resume_from)["step"] if resume_from else None
     logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state_step)
     trainer = None
     try:

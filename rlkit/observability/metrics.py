@@ -33,6 +33,13 @@ class PhaseTimer:
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
 
 
+def read_history(run_dir: Path, up_to_step: int) -> list[dict]:
+    """The metrics a run logged through step up_to_step (its metrics.jsonl, if any)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [metrics for metrics in map(json.loads, lines) if metrics["step"] <= up_to_step]
+
+
 class MetricsLogger:
     """resume_step: the run continues after this step; later lines from the interrupted run are
     dropped so the file reads as one uninterrupted run."""
@@ -43,10 +50,8 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         path = run_dir / "metrics.jsonl"
-        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step] \
-            if resume_step is not None and path.exists() else []
-        path.write_text("".join(line + "\n" for line in kept))
-        self.history = [json.loads(line) for line in kept]
+        self.history = read_history(run_dir, resume_step) if resume_step is not None else []
+        path.write_text("".join(json.dumps(metrics) + "\n" for metrics in self.history))
         self._file = open(path, "a")
         self._tensorboard = None
         if cfg.tensorboard:

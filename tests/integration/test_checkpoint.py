@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlkit.algorithms.objectives import NextTokenNLL
+from rlkit.checkpoint import MANIFEST, CheckpointManager
 from rlkit.cluster.setup import start_workers
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.data.batch import Batch, batch_totals
@@ -165,3 +166,16 @@ def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_
     history = train(cfg, resolved).history
     assert [m["step"] for m in history] == list(range(6))  # step 0 (validation) through 5, once each
     assert ray.is_initialized()
+    # the workers' own files are in the manifest: one rank's RNG file lost is found before any
+    # worker starts, and the checkpoint before it is taken
+    checkpoints = CheckpointManager(cfg.checkpoint, run_dir)
+    *_, before, newest = checkpoints.complete()
+    assert {"rng/policy_rank_0.pt", "controller.pt"} <= set(json.loads((newest / MANIFEST).read_text())["files"])
+    assert any(name.startswith("policy/") for name in json.loads((newest / MANIFEST).read_text())["files"])
+    os.remove(newest / "rng" / "policy_rank_0.pt")
+    assert checkpoints.to_resume() == before
+    # and a finished run says so without starting anything
+    cfg, resolved = make_cfg("algorithm.num_steps=4", f"run.output_dir={tmp_path}")
+    start = time.monotonic()
+    assert [m["step"] for m in train(cfg, resolved).history] == list(range(5))
+    assert time.monotonic() - start < 5
