@@ -4,7 +4,7 @@
 #   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (layer by layer, and the recipe's), GRPO run
 set -uo pipefail
 source /tmp/gpucarry/env.sh
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RLKIT_TEST_METRICS=${OUT:-/tmp/rlkit_out}/metrics
 OUT=${OUT:-/tmp/rlkit_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"

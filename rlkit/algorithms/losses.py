@@ -57,7 +57,7 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
 
     loss_t = -min(r_t A, clip(r_t, 1-clip_low, 1+clip_high) A) + kl_coef * k3_t,  r_t = exp(lp - old_lp)
     advantages: [B] (one per sample) or [B, S]. Returns (loss, sums) where sums are masked token
-    sums (clipped tokens, kl) for metrics; divide by the batch's token count to get means.
+    sums (clipped tokens, importance ratio, kl) for metrics; divide by the batch's token count to get means.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logprobs)
@@ -71,7 +71,8 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    sums = {"clipped_tokens": ((clipped < unclipped) & keep).float().sum().detach()}
+    sums = {"clipped_tokens": ((clipped < unclipped) & keep).float().sum().detach(),
+            "ratio": torch.where(keep, ratio, torch.zeros_like(ratio)).sum().detach()}
     if cfg.kl_coef > 0:
         if reference_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference_logprobs")

@@ -27,7 +27,7 @@ from rlkit.data.batch import Batch, BatchTotals, batch_totals
 from rlkit.data.generation import SamplingParams
 from rlkit.data.prompts import Prompt, PromptRenderer, load_prompt_splits
 from rlkit.envs.runner import EnvironmentPool
-from rlkit.observability.logprob_agreement import agreement_metrics
+from rlkit.observability.logprob_agreement import agreement_metrics, reference_kl
 from rlkit.observability.metrics import PhaseTimer
 from rlkit.refit.driver import RefitDriver
 
@@ -152,7 +152,7 @@ class PolicyGradientTrainer:
                 del episodes  # the token tensors have left the controller: only rewards and metrics stay
                 agreement = agreement_metrics(self.policy.forward_held("old_logprobs"))
                 if a.kl_coef > 0:
-                    self.policy.forward_held("reference_logprobs", reference=True)
+                    agreement.update(reference_kl(self.policy.forward_held("reference_logprobs", reference=True)))
             with timer("advantages"):
                 advantage_metrics = self.algorithm.estimator(self, rewards)
             with timer("train"):
@@ -175,7 +175,8 @@ class PolicyGradientTrainer:
         tokens = max(sum(t.num_tokens for t in totals), 1.0)
         out = {"train/loss": sums["loss"] / len(totals), "train/grad_norm": sums["grad_norm"] / len(totals),
                "train/lr": sums["lr"],
-               "train/clip_fraction": sums["clipped_tokens"] / tokens, "train/entropy": sums["entropy"] / tokens}
+               "train/clip_fraction": sums["clipped_tokens"] / tokens, "train/entropy": sums["entropy"] / tokens,
+               "train/importance_ratio": sums["ratio"] / tokens}
         if "kl" in sums:
             out["train/kl"] = sums["kl"] / tokens
         return out

@@ -13,6 +13,20 @@ def agreement_sums(train_logprobs: torch.Tensor, generation_logprobs: torch.Tens
             "exp_sum": diff.exp().sum().item()}
 
 
+def reference_kl_sums(reference_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Over masked tokens: count and sum of the k3 KL estimate of the policy (logprobs) to the
+    reference. Before the first update the two are the same model, so the sum is exactly 0."""
+    log_ratio = (reference_logprobs - logprobs)[mask.bool()]
+    return {"tokens": log_ratio.numel(), "kl_sum": (log_ratio.exp() - log_ratio - 1.0).sum().item()}
+
+
+def reference_kl(shards: list[dict]) -> dict:
+    """train/reference_kl: the policy's k3 KL to the reference on this step's samples, before the
+    step's update (0 at step 1: the reference is the starting policy); {} without tokens."""
+    tokens = sum(s["tokens"] for s in shards)
+    return {"train/reference_kl": sum(s["kl_sum"] for s in shards) / tokens} if tokens else {}
+
+
 def agreement_metrics(shards: list[dict]) -> dict:
     """Mean and max |lp_train - lp_gen| and token_mult_prob_error = mean exp(|lp_train - lp_gen|)
     (1.0 means identical distributions) over every shard's tokens; {} without tokens."""

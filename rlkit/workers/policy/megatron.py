@@ -20,7 +20,7 @@ import torch.distributed as dist
 from rlkit.config.schema import PolicyConfig
 from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.packing import packed_attention_mask
-from rlkit.observability.logprob_agreement import agreement_sums
+from rlkit.observability.logprob_agreement import agreement_sums, reference_kl_sums
 from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.refit.sender import RefitSender, sending_half
 
@@ -303,13 +303,16 @@ class MegatronModelWorker:
         """Head outputs of the held rows (policy: logprobs, critic: values) from the model, or the
         frozen reference, stored as field `into` where they are computed (the last pipeline
         stage). Returns, from output ranks, the agreement sums of these logprobs with the
-        sampler's when the held rows carry them (rlkit/observability/logprob_agreement.py)."""
+        sampler's when the held rows carry them, and for the reference its KL sums to the held
+        old_logprobs (rlkit/observability/logprob_agreement.py)."""
         if reference and self.reference is None:
             raise RuntimeError("forward_held(reference=True) called before init_reference")
         output = self._forward_with(self.held, self.reference if reference else self.model)
         if output is None:
             return None
         self.held = self.held.with_fields(**{into: output})
+        if reference and "old_logprobs" in self.held:
+            return reference_kl_sums(output, self.held["old_logprobs"], self.held["response_mask"])
         if reference or self.head != "lm" or "generation_logprobs" not in self.held:
             return {}
         return agreement_sums(output, self.held["generation_logprobs"], self.held["response_mask"])

@@ -1,0 +1,67 @@
+"""Chaos on GPU: the vLLM engine killed mid-step ends the run with one error naming the generation
+worker and the step, and the run then resumes from its last checkpoint exactly: the step it redoes
+has the metrics the killed run logged for it."""
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import ray
+
+from rlkit.cluster.worker_group import WorkerError
+from rlkit.launch.run import train
+
+RUN = ["algorithm.num_steps=5", "checkpoint.every=2", "algorithm.val_every=100", "algorithm.warm_start.sft_steps=20",
+       "cluster.call_timeout_s=120", "run.name=gpu_chaos"]
+
+
+def steps_logged(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def engine_processes() -> list[psutil.Process]:
+    """vLLM's engine-core processes: the children of this session's generation worker actors."""
+    actors = ray._private.state.actors().values()
+    workers = [a["Pid"] for a in actors if a["ActorClassName"] == "VLLMGenerationWorker" and a["State"] == "ALIVE"]
+    return [child for pid in workers for child in psutil.Process(pid).children(recursive=True)]
+
+
+@pytest.mark.timeout(480)
+def test_killed_vllm_engine_is_named_and_the_run_resumes_exactly(ray_cluster, make_cfg, tmp_path):
+    cfg, resolved = make_cfg(*RUN, f"run.output_dir={tmp_path}")
+    run_dir = tmp_path / cfg.run.name
+    killed = []
+
+    def kill_the_engine_after_step_3():
+        while not any(m["step"] == 3 for m in steps_logged(run_dir)):
+            time.sleep(0.05)
+        for process in engine_processes():
+            killed.append(process.pid)
+            os.kill(process.pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_the_engine_after_step_3, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as error:
+        train(cfg, resolved)
+    message = str(error.value)
+    print(f"killed engine processes {killed}; the run ended in {time.monotonic() - start:.0f} s with: "
+          f"{message.splitlines()[0][:300]}")
+    assert killed, "no vLLM engine process was found to kill"
+    assert re.match(r"step 4: generation worker(\(s\))? .*(failed in|died during|did not finish)", message), message
+    assert "last complete checkpoint is" in message and "step_000002" in message
+    before = {m["step"]: m for m in steps_logged(run_dir)}
+
+    # resumed: from step 2, so step 3 is done again; it must match what the killed run logged
+    history = train(*make_cfg(*RUN, f"run.output_dir={tmp_path}")).history
+    assert [m["step"] for m in history] == [0, 1, 2, 3, 4, 5]
+    redone = history[3]
+    compared = [k for k in before[3] if k.startswith(("train/", "val/", "env/")) or k == "refit/token_mult_prob_error"]
+    assert compared and {k: redone[k] for k in compared} == {k: before[3][k] for k in compared}
+    print("step 3 before the kill and after the resume:",
+          ", ".join(f"{k} {before[3][k]:.6g}" for k in sorted(compared)))
