@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # rlkit's GPU work on a device machine prepared by ../shared/gpu (README "GPU development").
-#   bash scripts/gpu_session.sh tests|tests-of <path> [s]|refit-tests|bench|bench-7b|refit-bench|refit-bench-512|all    logs and JSON land in $OUT
+#   bash scripts/gpu_session.sh tests|tests-of <s> <pytest args>|refit-tests|bench|bench-7b|refit-bench|refit-bench-512|all    logs and JSON land in $OUT
 #   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (layer by layer, and the recipe's), GRPO run
 set -uo pipefail
 source /tmp/gpucarry/env.sh
@@ -8,7 +8,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
 OUT=${OUT:-/tmp/rlkit_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-tests() { timeout "$1" python3 -m pytest "${2:-tests/gpu}" -v -rA -s -p no:cacheprovider --timeout=200 2>&1 | tee -a "$OUT/gpu_tests.log"; }
+tests() { timeout "$1" python3 -m pytest ${2:-tests/gpu} -v -rA -s -p no:cacheprovider --timeout=200 2>&1 | tee -a "$OUT/gpu_tests.log"; }
 generation() { timeout 250 python3 benchmarks/generation.py --size 1.5b --out "$OUT/generation.json" 2>&1 | tee "$OUT/generation.log"; }
 refit() { timeout "$2" python3 benchmarks/refit.py --sizes "$1" --bucket-mb "${3:-512,2048}" --out "$OUT/refit_${1//,/-}.json" 2>&1 | tee "$OUT/refit_${1//,/-}.log"; }
 smollm2() { python3 -m rlkit.cli pretrained smollm2-135m-instruct 2>&1 | tail -1 | tee "$OUT/smollm2_path.txt"; }
@@ -26,7 +26,7 @@ case "$1" in
   smollm2-gap) smollm2; gap ;;
   smollm2-train) smollm2; train_smollm2 "${2:-560}" "${@:3}" ;;
   tests) tests 560 ;;
-  tests-of) tests "${3:-560}" "$2" ;;  # one file or folder: tests-of tests/gpu/test_x.py [seconds]
+  tests-of) tests "$2" "${*:3}" ;;  # tests-of <seconds> <pytest arguments...>
   refit-tests) tests 560 tests/gpu/test_vllm_refit.py ;;
   bench) generation; refit 1.5b 320 ;;
   refit-bench) refit 1.5b,7b 570 ;;
