@@ -1,6 +1,8 @@
-"""Chaos on GPU: the vLLM engine killed mid-step ends the run with one error naming the generation
-worker and the step, and the run then resumes from its last checkpoint exactly: the step it redoes
-has the metrics the killed run logged for it."""
+"""Chaos on GPU: the vLLM engine killed mid-step ends the run at once with one error naming the
+generation worker and the step, and the run then resumes from its last checkpoint exactly: the step
+it redoes draws the same samples (the same rewards, lengths and environment results) as the killed
+run did, and its training metrics agree to GPU-atomics noise (a bf16 backward is not bitwise
+repeatable)."""
 
 import json
 import os
@@ -36,7 +38,7 @@ def engine_processes() -> list[psutil.Process]:
 def test_killed_vllm_engine_is_named_and_the_run_resumes_exactly(ray_cluster, make_cfg, tmp_path):
     cfg, resolved = make_cfg(*RUN, f"run.output_dir={tmp_path}")
     run_dir = tmp_path / cfg.run.name
-    killed = []
+    killed, killed_at = [], []
 
     def kill_the_engine_after_step_3():
         while not any(m["step"] == 3 for m in steps_logged(run_dir)):
@@ -44,24 +46,27 @@ def test_killed_vllm_engine_is_named_and_the_run_resumes_exactly(ray_cluster, ma
         for process in engine_processes():
             killed.append(process.pid)
             os.kill(process.pid, signal.SIGKILL)
+        killed_at.append(time.monotonic())
 
     threading.Thread(target=kill_the_engine_after_step_3, daemon=True).start()
-    start = time.monotonic()
     with pytest.raises(WorkerError) as error:
         train(cfg, resolved)
     message = str(error.value)
-    print(f"killed engine processes {killed}; the run ended in {time.monotonic() - start:.0f} s with: "
-          f"{message.splitlines()[0][:300]}")
     assert killed, "no vLLM engine process was found to kill"
-    assert re.match(r"step 4: generation worker(\(s\))? .*(failed in|died during|did not finish)", message), message
+    after_kill = time.monotonic() - killed_at[0]
+    print(f"killed engine processes {killed}; the run ended {after_kill:.1f} s later with: {message[:400]}")
+    assert re.match(r"step 4: generation worker 0 failed in '\w+'.*EngineDeadError", message, re.DOTALL), message
+    assert after_kill < 30  # not cluster.call_timeout_s (120 s): the dead engine is noticed
     assert "last complete checkpoint is" in message and "step_000002" in message
     before = {m["step"]: m for m in steps_logged(run_dir)}
 
     # resumed: from step 2, so step 3 is done again; it must match what the killed run logged
     history = train(*make_cfg(*RUN, f"run.output_dir={tmp_path}")).history
     assert [m["step"] for m in history] == [0, 1, 2, 3, 4, 5]
-    redone = history[3]
-    compared = [k for k in before[3] if k.startswith(("train/", "val/", "env/")) or k == "refit/token_mult_prob_error"]
-    assert compared and {k: redone[k] for k in compared} == {k: before[3][k] for k in compared}
-    print("step 3 before the kill and after the resume:",
-          ", ".join(f"{k} {before[3][k]:.6g}" for k in sorted(compared)))
+    redone, first = history[3], before[3]
+    sampled = [k for k in first if k.startswith(("env/", "train/reward", "train/accuracy", "train/response_length"))]
+    assert sampled and {k: redone[k] for k in sampled} == {k: first[k] for k in sampled}
+    trained = ["train/loss", "train/grad_norm", "train/entropy", "train/importance_ratio", "refit/token_mult_prob_error"]
+    assert all(redone[k] == pytest.approx(first[k], rel=1e-2, abs=1e-4) for k in trained)
+    print("step 3 before the kill / after the resume:",
+          ", ".join(f"{k} {first[k]:.6g}/{redone[k]:.6g}" for k in sorted(sampled + trained)))

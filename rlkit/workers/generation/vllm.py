@@ -9,6 +9,8 @@ on they would differ by the truncation, which is why the recipes keep them off f
 
 import os
 import pickle
+import threading
+import time
 
 from rlkit.config.schema import GenerationConfig
 from rlkit.data.generation import Generations, SamplingParams
@@ -35,18 +37,42 @@ class VLLMGenerationWorker(GenerationWorker):
                        # logits as the policy computes them (policy.fp32_lm_head)
                        hf_overrides={"head_dtype": "float32"} if fp32_lm_head else None,
                        worker_extension_cls="rlkit.workers.generation.vllm_ext.RefitExtension")
+        self._watch_engine()
         self._asleep_tags: set[str] = set()
         # set by a refit, cleared by the next generate(): resetting there keeps an engine round
         # trip off the refit's critical path
         self._prefix_cache_stale = False
 
+    def _watch_engine(self):
+        """When the engine core process dies, vLLM 0.26's synchronous client marks itself dead but
+        leaves a generate() or an RPC already waiting for the engine's answer waiting forever. Hand
+        those waits the error instead: the run then stops at once, naming this worker, rather than
+        at cluster.call_timeout_s."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        client = self.llm.llm_engine.engine_core
+        if not hasattr(client, "outputs_queue"):  # an in-process engine raises by itself
+            return
+
+        def watch():
+            while not client.resources.engine_dead:
+                time.sleep(0.5)
+            client.outputs_queue.put_nowait(EngineDeadError())
+            for pending in list(client.utility_results.values()):
+                if not pending.done():
+                    pending.set_exception(EngineDeadError())
+
+        threading.Thread(target=watch, daemon=True, name="rlkit-engine-watch").start()
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
-        sampling = VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
-                                      top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
-                                      logprobs=0)
+        # a seed per request, from the call's: the samples depend on the step, not on what this
+        # engine sampled before, so a resumed run (a fresh engine) draws what the first one did
+        sampling = [VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
+                                       top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+                                       logprobs=0, seed=(params.seed << 20) + i) for i in range(len(prompt_ids))]
         if self._prefix_cache_stale:  # cached KV was computed with the old weights
             self.llm.reset_prefix_cache()
             self._prefix_cache_stale = False
