@@ -430,11 +430,12 @@ class MegatronModelWorker:
         own_dir = os.path.join(ckpt_dir, self.name)
         optimizer = self._optimizer_ready()
         if save_format == "dist":
+            _fill_empty_optimizer_states(optimizer)
             model_state = self._inner_model().sharded_state_dict()
             loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer.sharded_state_dict(
                 model_state, is_loading=True, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir)
             self._inner_model().load_state_dict(loaded["model"])
-            optimizer.load_state_dict(loaded["optimizer"])
+            _load_optimizer_state(optimizer, loaded["optimizer"])
         else:
             self.bridge.load_hf_weights(self.model, os.path.join(own_dir, "hf"))
             optimizer.load_state_dict(torch.load(os.path.join(own_dir, f"optimizer_rank{self.rank}.pt"),
@@ -473,3 +474,38 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of softmax(logits) over the last dim."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
+
+
+def _fill_empty_optimizer_states(optimizer):
+    """Give a distributed optimizer that has not stepped yet its state tensors, as loading a dist
+    checkpoint into it needs: without Apex or TransformerEngine, megatron-core 0.16 reads every
+    parameter's Adam "step" (DistributedOptimizer.state_dict) before it would create them. The
+    values are placeholders that the load overwrites."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+
+
+def _load_optimizer_state(optimizer, state_dict: dict):
+    """optimizer.load_state_dict, around a megatron-core 0.16 gap without Apex or TransformerEngine:
+    its DistributedOptimizer gives every Adam state a "step", then copies the checkpoint's parameter
+    state (main weights, exp_avg, exp_avg_sq) by the state's keys, "step" included, which the
+    checkpoint keeps in the param groups instead (KeyError). So the parameter state is loaded apart,
+    with the steps set aside meanwhile. Each parameter gets a step tensor of its own: megatron-core
+    hands them all one, which torch's Adam would then advance once per parameter each step."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(chained) != 1 or not isinstance(chained[0], DistributedOptimizer) or "param_state" not in state_dict:
+        optimizer.load_state_dict(state_dict)
+        return
+    inner, state_dict = chained[0], dict(state_dict)
+    param_state, sharding = state_dict.pop("param_state"), state_dict.pop("param_state_sharding_type")
+    assert sharding == OPTIMIZER_CHECKPOINT_FORMAT["distrib_optim_sharding_type"], sharding
+    inner.load_state_dict(state_dict)
+    steps = {param: state.pop("step") for param, state in inner.optimizer.state.items() if "step" in state}
+    inner.load_parameter_state_from_fully_reshardable(param_state)
+    for param, step in steps.items():
+        inner.optimizer.state[param]["step"] = step.clone()
