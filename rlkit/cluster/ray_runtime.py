@@ -2,8 +2,11 @@
 
 import logging
 import os
+import socket
+import time
 
 import ray
+from ray._private import ray_constants, services
 
 from rlkit.config.schema import ClusterConfig
 
@@ -14,16 +17,57 @@ def join_or_start_ray(cfg: ClusterConfig) -> bool:
     """Returns True if this call started a local cluster (the caller shuts it down)."""
     if ray.is_initialized():
         return False
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
-    if address:
+    key, address = ("cluster.address", cfg.address) if cfg.address else ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS"))
+    if address and address != "local":  # "local": Ray's name for a new local cluster
+        _wait_for_cluster(key, address, cfg.connect_timeout_s)
         log.info("joining Ray cluster at %s", address)
         ray.init(address=address, log_to_driver=True)
         return False
-    # address="local" ignores a stale /tmp/ray/ray_current_cluster; loopback only, no dashboard.
-    ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True)
+    _start_local(cfg)
     log.info("started a local Ray cluster (%d logical CPUs, loopback only)", cfg.num_cpus)
     return True
+
+
+def _start_local(cfg: ClusterConfig) -> None:
+    """A cluster that listens on 127.0.0.1 only and runs no dashboard."""
+    # Ray's servers (GCS, raylet, object manager, workers, agents, metrics) listen on loopback only
+    # when the node IP is 127.0.0.1, but on Linux Ray replaces a loopback node IP by the machine's
+    # address (services.resolve_ip_for_localhost) unless it runs single-machine, as on macOS and
+    # Windows. Single-machine while the node starts; its IP is fixed from then on.
+    multi_node = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        # address="local" ignores a stale /tmp/ray/ray_current_cluster
+        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
+                 object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = multi_node
+    # include_dashboard=False still starts the dashboard's head process (usage stats and a metrics
+    # port); Ray runs on without it, as it does when that process fails to start.
+    ray._private.worker._global_node.kill_dashboard(check_alive=False)
+
+
+def _wait_for_cluster(key: str, address: str, timeout_s: float) -> None:
+    """Ray retries a GCS that does not answer for many minutes; fail within timeout_s instead."""
+    # The host:port that ray.init will reach: Ray resolves "auto" and replaces a localhost by the
+    # machine's address; a ray:// client address is used as written.
+    if address.startswith("ray://"):
+        target = address.removeprefix("ray://")
+    else:
+        target = services.canonicalize_bootstrap_address(address)
+    host, _, port = target.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=max(deadline - time.monotonic(), 0.1)):
+                return
+        except OSError:
+            # a head that is still starting gets the rest of the time
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f'{key}={address}: no Ray cluster answered within {timeout_s:g} s; start one '
+                                      f'with "ray start --head" or unset cluster.address / RAY_ADDRESS to start a '
+                                      f'local one') from None
+            time.sleep(0.2)
 
 
 def device_kind() -> str:

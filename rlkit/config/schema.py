@@ -15,6 +15,7 @@ class ConfigError(ValueError):
 @dataclass
 class ClusterConfig:
     address: Optional[str] = MISSING
+    connect_timeout_s: float = MISSING
     num_cpus: int = MISSING
     object_store_mb: int = MISSING
     placement: str = MISSING
