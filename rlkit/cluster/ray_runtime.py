@@ -8,7 +8,7 @@ import time
 import ray
 from ray._private import ray_constants, services
 
-from rlkit.config.schema import ClusterConfig
+from rlkit.config.schema import ClusterConfig, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _wait_for_cluster(key: str, address: str, timeout_s: float) -> None:
         except OSError:
             # a head that is still starting gets the rest of the time
             if time.monotonic() >= deadline:
-                raise ConnectionError(f'{key}={address}: no Ray cluster answered within {timeout_s:g} s; start one '
+                raise ConfigError(f'{key}={address}: no Ray cluster answered within {timeout_s:g} s; start one '
                                       f'with "ray start --head" or unset cluster.address / RAY_ADDRESS to start a '
                                       f'local one') from None
             time.sleep(0.2)

@@ -6,6 +6,7 @@ import time
 import pytest
 import ray
 
+from rlkit.cluster.ray_runtime import join_or_start_ray
 from rlkit.launch.config import load_config
 from rlkit.models.pretrained import smollm2_135m_instruct
 from rlkit.models.resolve import resolve_model_dir
@@ -29,9 +30,10 @@ def make_cfg(cache_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=512 * 1024 * 1024)
+def ray_cluster(make_cfg):
+    """The loopback-only local cluster a run starts (rlkit/cluster/ray_runtime.py), 4 CPUs."""
+    cfg, _ = make_cfg("cluster.num_cpus=4", "cluster.object_store_mb=512")
+    join_or_start_ray(cfg.cluster)
     yield
     ray.shutdown()
 

@@ -23,6 +23,7 @@ LISTENERS = r"""
 import json, socket, time
 import psutil, ray
 from rlkit.cluster.ray_runtime import join_or_start_ray
+from rlkit.config.schema import ConfigError
 from rlkit.launch.config import load_config
 
 
@@ -72,13 +73,14 @@ finally:
 CONNECT = r"""
 import sys, time
 from rlkit.cluster.ray_runtime import join_or_start_ray
+from rlkit.config.schema import ConfigError
 from rlkit.launch.config import load_config
 
 cfg, _ = load_config("grpo_tiny_cpu", sys.argv[1:])
 start = time.monotonic()
 try:
     join_or_start_ray(cfg.cluster)
-except ConnectionError as e:
+except ConfigError as e:
     print(f"{time.monotonic() - start:.2f} {e}")
 """
 
