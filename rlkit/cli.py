@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -17,9 +18,18 @@ def _train(args) -> int:
     if args.cfg == "job":
         sys.stdout.write(OmegaConf.to_yaml(resolved, resolve=True))
         return 0
+    from rlkit.algorithms.loop import RunStopped
     from rlkit.launch.run import train
 
-    result = train(cfg, resolved)
+    try:
+        result = train(cfg, resolved)
+    except RunStopped as e:
+        print(f"rlkit: {e}", file=sys.stderr)
+        return 128 + signal.Signals[e.reason]
+    except KeyboardInterrupt as e:
+        print(f"rlkit: stopped during a step ({e or 'SIGINT'}), without a checkpoint; rerun the same command to "
+              f"continue from the last one", file=sys.stderr)
+        return 128 + signal.SIGINT
     first, last = (result.history[0], result.history[-1]) if result.history else ({}, {})
     moved = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in first if k.startswith("val/") and k in last)
     logging.getLogger("rlkit").info("done: %s; metrics in %s", moved, result.run_dir / "metrics.jsonl")

@@ -5,7 +5,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from omegaconf import DictConfig
 
@@ -23,6 +23,14 @@ log = logging.getLogger("rlkit")
 class RunResult:
     history: list[dict]  # metrics of every step (step 0: validation before training)
     run_dir: Path
+
+
+class RunStopped(Exception):
+    """The run stopped at a step boundary because it was asked to; reason: e.g. "SIGTERM"."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -62,9 +70,12 @@ class Trainer(Protocol):
 
 
 def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: ShuffledStream,
-              checkpoints: CheckpointManager, logger: MetricsLogger, resume_from: Path | None) -> RunResult:
+              checkpoints: CheckpointManager, logger: MetricsLogger, resume_from: Path | None,
+              stop_requested: Callable[[], str | None]) -> RunResult:
     """Steps 1..algorithm.num_steps (after the checkpoint's step when resuming), validating before
-    the first and every algorithm.val_every, checkpointing every checkpoint.every and at the end."""
+    the first and every algorithm.val_every, checkpointing every checkpoint.every and at the end.
+    stop_requested() names why to stop (e.g. "SIGTERM"), checked between steps: the run then
+    checkpoints the step it finished and raises RunStopped."""
     a = cfg.algorithm
     state = CheckpointManager.controller_state(resume_from) if resume_from else None
     if state is not None:
@@ -86,8 +97,12 @@ def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: Shu
             logger.log(step, metrics)
             log.info(console_line(step, a.num_steps, metrics, (time.perf_counter() - started) / (step - first + 1)))
             every = cfg.checkpoint.every
-            if (every and step % every == 0) or step == a.num_steps:
+            why = stop_requested()
+            if (every and step % every == 0) or step == a.num_steps or why:
                 checkpoints.save(step, trainer.save, {"step": step, "rows": rows.state()}, resolved)
+            if why and step < a.num_steps:
+                raise RunStopped(why, f"stopped by {why} after step {step}, checkpointed in {checkpoints.complete()[-1]}; "
+                                 f"rerun the same command to continue")
         except WorkerError as e:
             last = checkpoints.complete()
             raise WorkerError(f"step {step}: {e}\nThe last complete checkpoint is "

@@ -2,8 +2,10 @@
 
 import logging
 import os
+import shutil
 import socket
 import time
+from pathlib import Path
 
 import ray
 from ray._private import ray_constants, services
@@ -68,6 +70,21 @@ def _wait_for_cluster(key: str, address: str, timeout_s: float) -> None:
                                       f'with "ray start --head" or unset cluster.address / RAY_ADDRESS to start a '
                                       f'local one') from None
             time.sleep(0.2)
+
+
+def stop_local_ray(keep_logs: bool) -> None:
+    """Shut down the local cluster this process started. Its session folder (logs, sockets) is
+    removed unless keep_logs (a failed run: the workers' logs are the evidence); Ray itself leaves
+    every session folder in its temp directory forever."""
+    session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
+    ray.shutdown()
+    if keep_logs:
+        log.info("Ray's logs of this run are in %s", session_dir / "logs")
+        return
+    shutil.rmtree(session_dir, ignore_errors=True)
+    latest = session_dir.parent / "session_latest"
+    if latest.is_symlink() and not latest.exists():
+        latest.unlink()
 
 
 def device_kind() -> str:

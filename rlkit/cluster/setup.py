@@ -8,7 +8,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from rlkit.cluster.groups import GenerationWorkers, ModelWorkers
 from rlkit.cluster.placement import Placement, plan_placement
-from rlkit.cluster.ray_runtime import device_kind, join_or_start_ray
+from rlkit.cluster.ray_runtime import device_kind, join_or_start_ray, stop_local_ray
 from rlkit.cluster.worker_group import WorkerGroup, rendezvous_address
 from rlkit.config.schema import RootConfig
 from rlkit.workers.policy.megatron import MegatronModelWorker
@@ -26,13 +26,13 @@ class RunWorkers:
     device: str
     critic: ModelWorkers | None = None  # PPO: added by start_critic
 
-    def shutdown(self):
+    def shutdown(self, keep_ray_logs: bool = False):
         for group in (self.policy, self.generation, self.critic):
             if group is not None:
                 group.workers.kill()
         remove_placement_group(self.placement_group)
         if self.started_cluster:
-            ray.shutdown()
+            stop_local_ray(keep_ray_logs)
 
 
 def _generation_worker(cfg: RootConfig, model_dir: str) -> tuple[type, Callable[[int], dict]]:

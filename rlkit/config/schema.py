@@ -170,6 +170,7 @@ class CheckpointConfig:
     keep_last: int = MISSING
     resume: str = MISSING
     dir: Optional[str] = MISSING
+    interrupt_grace_s: float = MISSING
 
 
 @dataclass

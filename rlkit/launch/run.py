@@ -3,11 +3,12 @@ resume, model and tokenizer, data, workers, an optional cached warm start, the t
 and cleanup. Also the two other commands that start workers: verify-refit and convert."""
 
 import logging
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlkit.algorithms.loop import RunContext, RunResult, run_steps
+from rlkit.algorithms.loop import RunContext, RunResult, RunStopped, run_steps
 from rlkit.algorithms.registry import load_algorithm
 from rlkit.algorithms.warm_start import cached_warm_start, warm_start_dir
 from rlkit.checkpoint import CheckpointManager
@@ -17,6 +18,7 @@ from rlkit.data.batch import rollout_batch
 from rlkit.data.generation import SamplingParams
 from rlkit.data.stream import ShuffledStream
 from rlkit.launch.config import to_typed
+from rlkit.launch.interrupts import stop_on_signals
 from rlkit.models.resolve import resolve_model_dir
 from rlkit.models.tokenizer import load_tokenizer
 from rlkit.observability.logprob_agreement import logprob_error
@@ -49,20 +51,21 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
     logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state_step)
     trainer = None
     try:
-        if resume_from is None and warm_dir is not None:
-            log.info("warm start: running %d SFT steps with rlkit's trainer before %s, cached in %s",
-                     cfg.algorithm.warm_start.sft_steps, algorithm.name, warm_dir)
-            cached_warm_start(workers.policy, warm_dir,
-                              lambda: algorithm.warm_start(cfg, workers.policy, tokenizer, data, warm_dir))
-            start_dir = warm_dir
-        trainer = algorithm.trainer(RunContext(cfg, algorithm, workers, tokenizer, data, start_dir))
-        rows = ShuffledStream(data.train, trainer.rows_per_step, cfg.run.seed)
-        return run_steps(cfg, resolved, trainer, rows, checkpoints, logger, resume_from)
+        with stop_on_signals(cfg.checkpoint.interrupt_grace_s) as stop_requested:
+            if resume_from is None and warm_dir is not None:
+                log.info("warm start: running %d SFT steps with rlkit's trainer before %s, cached in %s",
+                         cfg.algorithm.warm_start.sft_steps, algorithm.name, warm_dir)
+                cached_warm_start(workers.policy, warm_dir,
+                                  lambda: algorithm.warm_start(cfg, workers.policy, tokenizer, data, warm_dir))
+                start_dir = warm_dir
+            trainer = algorithm.trainer(RunContext(cfg, algorithm, workers, tokenizer, data, start_dir))
+            rows = ShuffledStream(data.train, trainer.rows_per_step, cfg.run.seed)
+            return run_steps(cfg, resolved, trainer, rows, checkpoints, logger, resume_from, stop_requested)
     finally:
         if trainer is not None:
             trainer.close()
         logger.close()
-        workers.shutdown()
+        workers.shutdown(keep_ray_logs=_failing())
 
 
 def verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
@@ -86,7 +89,7 @@ def verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
         metrics["refit/tokens_compared"] = int(rollout["response_mask"].sum())
         return metrics
     finally:
-        workers.shutdown()
+        workers.shutdown(keep_ray_logs=_failing())
 
 
 def export_hf(checkpoint_dir: Path, out_dir: Path) -> Path:
@@ -99,5 +102,11 @@ def export_hf(checkpoint_dir: Path, out_dir: Path) -> Path:
         workers.policy.load_checkpoint(str(checkpoint_dir), cfg.checkpoint.save_format)
         workers.policy.save_hf(str(out_dir))
     finally:
-        workers.shutdown()
+        workers.shutdown(keep_ray_logs=_failing())
     return out_dir
+
+
+def _failing() -> bool:
+    """Inside a finally: whether an error (not a requested stop) is on its way out."""
+    error = sys.exc_info()[1]
+    return error is not None and not isinstance(error, (RunStopped, KeyboardInterrupt))

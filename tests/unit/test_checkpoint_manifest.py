@@ -14,7 +14,8 @@ from rlkit.config.schema import CheckpointConfig, ConfigError
 
 
 def manager(root, keep_last=0, resume="auto") -> CheckpointManager:
-    cfg = CheckpointConfig(every=1, save_format="dist", keep_last=keep_last, resume=resume, dir=str(root))
+    cfg = CheckpointConfig(every=1, save_format="dist", keep_last=keep_last, resume=resume, dir=str(root),
+                           interrupt_grace_s=60)
     return CheckpointManager(cfg, root)
 
 

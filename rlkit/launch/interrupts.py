@@ -1,0 +1,55 @@
+"""SIGINT / SIGTERM during a run: finish the step, checkpoint it, stop cleanly.
+
+The first signal asks the step loop to stop at the next step boundary (it checkpoints that step and
+raises RunStopped); checkpoint.interrupt_grace_s bounds how long that may take. A second signal, or
+the grace period running out, interrupts the run where it is, without a checkpoint. Either way the
+run's `finally` blocks stop its workers and its Ray cluster."""
+
+import _thread
+import contextlib
+import logging
+import signal
+import threading
+
+log = logging.getLogger("rlkit")
+
+
+class StopRequest:
+    def __init__(self, grace_s: float):
+        self.grace_s, self.reason = grace_s, None
+
+    def __call__(self) -> str | None:
+        """The signal's name once one arrived, else None (run_steps' stop_requested)."""
+        return self.reason
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.reason is not None:
+            log.warning("%s again: stopping now, without a checkpoint", name)
+            raise KeyboardInterrupt(f"{name} again")
+        self.reason = name
+        log.warning("%s: finishing this step and checkpointing it (within checkpoint.interrupt_grace_s=%g s); "
+                    "send it again to stop at once", name, self.grace_s)
+        timer = threading.Timer(self.grace_s, self._grace_over)
+        timer.daemon = True
+        timer.start()
+
+    def _grace_over(self):
+        log.warning("checkpoint.interrupt_grace_s=%g s passed: stopping without a checkpoint", self.grace_s)
+        _thread.interrupt_main(signal.SIGINT)  # runs handle() in the main thread, as a second signal
+
+
+@contextlib.contextmanager
+def stop_on_signals(grace_s: float):
+    """Within: SIGINT and SIGTERM request a stop (StopRequest). Install after Ray has started, whose
+    own SIGTERM handler would otherwise end the driver with a C++ stack dump."""
+    request = StopRequest(grace_s)
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield request
+        return
+    previous = {s: signal.signal(s, request.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield request
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
