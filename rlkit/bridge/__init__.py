@@ -157,7 +157,11 @@ class ModelBridge:
             return None
 
     def save_hf_weights(self, chunks: list, out_dir: str):
-        self._bridge.save_weights(chunks, str(out_dir))
+        # no autograd, as in export_hf_weights: mbridge's broadcasts of parameters that require grad
+        # would otherwise record c10d::broadcast_ nodes, which the next backward warns about
+        # ("an autograd kernel was not registered ... silently incorrect behavior")
+        with torch.no_grad():
+            self._bridge.save_weights(chunks, str(out_dir))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Start the worker groups of a run on one placement group, and tear them down."""
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -11,7 +12,9 @@ from rlkit.cluster.placement import Placement, plan_placement
 from rlkit.cluster.ray_runtime import device_kind, join_or_start_ray, stop_local_ray
 from rlkit.cluster.worker_group import WorkerGroup, rendezvous_address
 from rlkit.config.schema import RootConfig
-from rlkit.workers.policy.megatron import MegatronModelWorker
+from rlkit.workers.policy.megatron import MegatronModelWorker, optional_kernels_missing
+
+log = logging.getLogger("rlkit")
 
 
 @dataclass
@@ -52,6 +55,10 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
     policy's bundles for the critic that start_critic adds later."""
     started = join_or_start_ray(cfg.cluster)
     device = device_kind()
+    missing = optional_kernels_missing()
+    if missing:
+        log.info("%s not installed: Megatron uses its PyTorch fallbacks for fused kernels (fine on CPU; slower on GPU)",
+                 " and ".join(missing))
     num_generation = cfg.generation.num_workers if with_generation else 0
     placement = plan_placement(cfg.cluster.placement, cfg.policy.num_workers, num_generation, device, with_critic)
     pg = placement_group(placement.bundles, strategy="PACK")

@@ -9,6 +9,7 @@ shard where it lives, and training reads it, so token tensors cross the controll
 """
 
 import os
+import warnings
 from datetime import timedelta
 from functools import partial
 from typing import Callable, Iterator
@@ -28,6 +29,22 @@ ON_GPU = torch.cuda.is_available()
 # The distributed optimizer's state in a canonical per-parameter layout, so a checkpoint loads at
 # any TP/PP/DP (megatron-core's default layout for it is deprecated and refuses to save).
 OPTIMIZER_CHECKPOINT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+# Expected, and otherwise repeated by every worker process: megatron-core's PyTorch fallbacks when
+# Apex / TransformerEngine are absent (the driver says so once: optional_kernels_missing), the
+# "full" cuda_graph_scope that mbridge's configs still name (graphs are off), and mbridge's note
+# that a checkpoint saved from a single-file model has no safetensors index (none is needed).
+for _expected in (r".*(Apex|Transformer Engine).* (is|are) not installed", r"full scope is deprecated",
+                  r"No index file found"):
+    warnings.filterwarnings("ignore", message=_expected)
+
+
+def optional_kernels_missing() -> list[str]:
+    """Which of Megatron's optional fused-kernel packages are not installed here."""
+    import importlib.util
+
+    return [name for name, module in [("Apex", "apex"), ("TransformerEngine", "transformer_engine")]
+            if importlib.util.find_spec(module) is None]
 
 
 class MegatronModelWorker:
