@@ -1,5 +1,6 @@
 """`rlkit train` as a user runs it: the command starts its own local Ray cluster, warm-starts
-(and caches the warm start), prints one line per step, and stops what it started."""
+(and caches the warm start), prints one line per step and no warnings, stops what it started, and
+run again once finished says so without starting anything."""
 
 import subprocess
 import sys
@@ -25,8 +26,15 @@ def test_train_command_runs_and_reuses_its_warm_start(tmp_path):
     assert "running 2 SFT steps" in log
     assert "step   1/2 [" in log and "step   2/2 [" in log and "| reward" in log and "val_acc" in log
     assert (tmp_path / "out" / "grpo_tiny_cpu" / "metrics.jsonl").is_file()
+    # expected warnings are said once, by the driver; no Python warning from any process
+    assert "UserWarning" not in log and "c10d::broadcast_" not in log
+    assert log.count("not installed: Megatron uses its PyTorch fallbacks") == 1
 
-    second = _train(tmp_path)
+    again = _train(tmp_path)  # finished: says so, starts nothing
+    assert again.returncode == 0 and "grpo_tiny_cpu already finished" in again.stderr, again.stderr[-3000:]
+    assert "started a local Ray cluster" not in again.stderr
+
+    second = _train(tmp_path, "run.name=second")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "using the cached SFT checkpoint" in second.stderr
     assert "running 2 SFT steps" not in second.stderr
