@@ -36,13 +36,15 @@ def ray_head():
     head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                              f"--port={gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
                              *agent_ports, "--num-cpus=4", f"--temp-dir={temp_dir}"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(f"{temp_dir}/start.log", "w"),
+                            start_new_session=True)
     address = f"http://127.0.0.1:{dashboard_port}"
     try:
         deadline = time.monotonic() + 120
         while subprocess.run([RAY, "job", "list", "--address", address], env=env,
                              capture_output=True).returncode != 0:
-            assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
+            assert head.poll() is None and time.monotonic() < deadline, \
+                "ray start --head did not come up:\n" + Path(f"{temp_dir}/start.log").read_text()[-3000:]
             time.sleep(1)
         yield address, env
     finally:
