@@ -1,7 +1,6 @@
 """rlkit command line: `rlkit train --config-name <recipe> [key=value ...]`."""
 
 import argparse
-import json
 import logging
 import signal
 import sys
@@ -48,9 +47,9 @@ def _verify_refit(args) -> int:
 
 
 def _env_check(args) -> int:
-    from rlkit.envs.check import check, read_samples
+    from rlkit.envs.check import check, parse_kwargs, read_samples
 
-    failures = check(args.target, json.loads(args.kwargs), read_samples(args.data), args.timeout_s)
+    failures = check(args.target, parse_kwargs(args.kwargs), read_samples(args.data), args.timeout_s)
     return 1 if failures else 0
 
 
@@ -88,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("overrides", nargs="*", help="Hydra overrides")
     env = commands.add_parser("env", help="work on environments").add_subparsers(dest="env_command", required=True)
     env_check = env.add_parser("check", help="run an environment on a few samples and print what it returns")
-    env_check.add_argument("target", help="importable Environment class or scoring function, e.g. my_env.MyEnv")
+    env_check.add_argument("target", help="importable Environment class or scoring function, e.g. my_env.MyEnv "
+                                          "(a recipe's env._target_)")
     env_check.add_argument("--data", help=".jsonl/.json samples with prompt+response (or messages) and metadata")
-    env_check.add_argument("--kwargs", default="{}", help="JSON object of constructor arguments")
+    env_check.add_argument("--kwargs", default="{}",
+                           help="JSON object of constructor arguments (a recipe's env.* keys)")
     env_check.add_argument("--timeout-s", type=float, default=10.0, help="per-call timeout")
     convert = commands.add_parser("convert", help="export HF weights from a checkpoint")
     convert.add_argument("checkpoint", help="a checkpoint directory (.../checkpoints/step_NNNNNN)")

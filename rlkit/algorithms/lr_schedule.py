@@ -4,7 +4,16 @@ the rates an uninterrupted one would (the step is in the checkpoint, the schedul
 import math
 from dataclasses import dataclass
 
+from rlkit.config.schema import ConfigError
+
 SCHEDULES = ("constant", "linear", "cosine")
+
+
+def check_learning_rate(key: str, lr: float, example: str) -> None:
+    """The check every learning-rate key gets: a negative rate trains away from the objective, and
+    nan or inf makes every weight nan at the first step."""
+    if not 0 < lr < math.inf:
+        raise ConfigError(f"{key}: must be a finite number > 0 (got: {lr}); e.g. {example}")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from omegaconf import MISSING
 
 from rlkit.algorithms import policy_gradient
 from rlkit.algorithms.advantages import explained_variance, gae_advantages, token_rewards, whiten
-from rlkit.algorithms.lr_schedule import schedule_of
+from rlkit.algorithms.lr_schedule import check_learning_rate, schedule_of
 from rlkit.algorithms.objectives import ValueRegression
 from rlkit.algorithms.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer, train_minibatches
 from rlkit.algorithms.registry import AlgorithmSpec
@@ -113,8 +113,7 @@ def validate(cfg, dp: int) -> None:
     if not (0 <= a.gamma <= 1 and 0 <= a.lam <= 1):
         raise ConfigError(f"algorithm.gamma / algorithm.lam: must lie in [0, 1] (got: {a.gamma}, {a.lam}); "
                           f"the usual values are 1.0 and 0.95")
-    if a.critic.lr <= 0:
-        raise ConfigError(f"algorithm.critic.lr: must be > 0 (got: {a.critic.lr}); e.g. the policy's learning rate")
+    check_learning_rate("algorithm.critic.lr", a.critic.lr, "the policy's learning rate")
 
 
 ALGORITHM = AlgorithmSpec(

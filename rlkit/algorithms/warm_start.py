@@ -5,6 +5,7 @@ import os
 import shutil
 from pathlib import Path
 
+from rlkit.algorithms.lr_schedule import check_learning_rate
 from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.cluster.groups import ModelWorkers
 from rlkit.config.schema import ConfigError, RootConfig
@@ -53,8 +54,7 @@ def validate_warm_start(cfg: RootConfig, dp: int) -> None:
         raise ConfigError(f"algorithm.warm_start.sft_steps: must be >= 0 (got: {w.sft_steps}); 0 skips the warm start")
     if w.batch_size < 1:
         raise ConfigError(f"algorithm.warm_start.batch_size: must be >= 1 (got: {w.batch_size}); set a positive value")
-    if w.lr <= 0:
-        raise ConfigError(f"algorithm.warm_start.lr: must be > 0 (got: {w.lr}); e.g. 1e-3 for tiny models")
+    check_learning_rate("algorithm.warm_start.lr", w.lr, "1e-3 for tiny models")
     if w.sft_steps > 0 and w.batch_size % (dp * p.micro_batch_size):
         raise ConfigError(f"algorithm.warm_start.batch_size: must be divisible by DP ({dp}) x "
                           f"policy.micro_batch_size ({p.micro_batch_size}) (got: {w.batch_size}); "

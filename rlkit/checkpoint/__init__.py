@@ -65,10 +65,7 @@ class CheckpointManager:
                                   f"({', '.join(damaged)}; see above); move them away, or set checkpoint.resume=none "
                                   f"to start over")
             return None
-        path = Path(self.cfg.resume)
-        if not _COMPLETE.match(path.name) or not path.is_dir():
-            raise ConfigError(f"checkpoint.resume={self.cfg.resume}: not a complete checkpoint directory "
-                              f"(step_NNNNNN); use auto, none, or such a directory")
+        path = named_checkpoint(self.cfg.resume)
         problem = verify(path)
         if problem is not None:
             raise ConfigError(f"checkpoint.resume={path}: the checkpoint is damaged: {problem}; resume from "
@@ -110,6 +107,16 @@ class CheckpointManager:
     def controller_state(path: Path) -> dict:
         return torch.load(path / "controller.pt", weights_only=False)
 
+
+def named_checkpoint(resume: str) -> Path:
+    """The directory a checkpoint.resume other than auto / none names, if it exists with a
+    complete checkpoint's name; its files are verified by to_resume. Cheap: config validation calls
+    it too, so a wrong path fails at load rather than when the run starts."""
+    path = Path(resume)
+    if not _COMPLETE.match(path.name) or not path.is_dir():
+        raise ConfigError(f"checkpoint.resume={resume}: not a complete checkpoint directory (step_NNNNNN); use auto, "
+                          f"none, or such a directory")
+    return path
 
 
 def verify(path: Path, checksums: bool = True) -> str | None:

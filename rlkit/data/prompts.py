@@ -12,15 +12,11 @@ import logging
 from dataclasses import dataclass
 
 from rlkit.config.schema import ConfigError, PromptDataConfig
-from rlkit.data.arithmetic import arithmetic_splits
+from rlkit.data.arithmetic import synthetic_splits
 from rlkit.data.files import load_rows, write_jsonl
 from rlkit.data.truncation import head_for_tokens
-from rlkit.data.word_problems import word_problem_splits
 
 log = logging.getLogger("rlkit")
-
-# data.synthetic.kind -> (config) -> (train rows, validation rows)
-SYNTHETIC_SETS = {"arithmetic": arithmetic_splits, "word_problems": word_problem_splits}
 
 
 # a stand-in conversation whose assistant content no real text contains, to locate template text
@@ -101,10 +97,7 @@ def load_prompt_splits(d: PromptDataConfig, renderer: PromptRenderer) -> tuple[l
     hold the configured set). Prompts longer than data.max_prompt_tokens are dropped, with the count
     in the log."""
     if d.synthetic is not None:
-        if d.synthetic.kind not in SYNTHETIC_SETS:
-            raise ConfigError(f"data.synthetic.kind: must be one of {list(SYNTHETIC_SETS)} (got: "
-                              f"{d.synthetic.kind!r}); pick one of those")
-        for path, rows in zip([d.train_path, d.val_path], SYNTHETIC_SETS[d.synthetic.kind](d.synthetic)):
+        for path, rows in zip([d.train_path, d.val_path], synthetic_splits(d.synthetic)):
             if path is not None and write_jsonl(path, rows, only_if_changed=True):
                 log.info("data: wrote the generated %s set to %s", d.synthetic.kind, path)
     splits = []

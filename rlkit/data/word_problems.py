@@ -5,7 +5,7 @@ some of them before RL, so the reward starts between 0 and 1."""
 
 import random
 
-from rlkit.config.schema import ArithmeticSetConfig
+from rlkit.config.schema import ArithmeticSetConfig, ConfigError
 
 NAMES = ["Tom", "Ana", "Sam", "Mia", "Leo", "Zoe", "Ben", "Ivy", "Max", "Eva"]
 ITEMS = ["apples", "marbles", "stickers", "books", "pencils", "cookies", "shells", "cards"]
@@ -36,7 +36,7 @@ def word_problem_splits(cfg: ArithmeticSetConfig) -> tuple[list[dict], list[dict
     """Disjoint train / validation sets (no question in both), deterministic in cfg.seed."""
     unknown = [op for op in cfg.operations if op not in APPLY]
     if unknown:
-        raise ValueError(f"data.synthetic.operations has {unknown}; choose from {list(APPLY)}")
+        raise ConfigError(f"data.synthetic.operations: has {unknown}; choose from {list(APPLY)}")
     rng, questions, rows = random.Random(cfg.seed), set(), []
     needed = cfg.train_size + cfg.val_size
     for _ in range(needed * 50):  # distinct questions are plentiful unless max_operand is tiny
@@ -46,5 +46,5 @@ def word_problem_splits(cfg: ArithmeticSetConfig) -> tuple[list[dict], list[dict
             rows.append(row)
             if len(rows) == needed:
                 return rows[cfg.val_size:], rows[:cfg.val_size]
-    raise ValueError(f"data.synthetic: only {len(rows)} distinct word problems with max_operand={cfg.max_operand}; "
-                     f"raise max_operand or lower train_size + val_size ({needed})")
+    raise ConfigError(f"data.synthetic.max_operand: only {len(rows)} distinct word problems with max_operand="
+                      f"{cfg.max_operand}; raise max_operand or lower train_size + val_size ({needed})")

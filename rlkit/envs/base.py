@@ -15,6 +15,8 @@ import importlib
 import inspect
 import os
 import sys
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -93,11 +95,19 @@ def check_environment_config(target: str, kwargs: dict) -> str | None:
     except Exception as e:  # noqa: BLE001 - any import failure is the user's to see
         return f"env._target_: cannot import {target!r} ({type(e).__name__}: {e}); check the module path"
     if inspect.isclass(obj) and issubclass(obj, Environment):
-        params = inspect.signature(obj.__init__).parameters
+        params = _constructor_parameters(obj)
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             for key in kwargs:
                 if key not in params:
-                    return f"env.{key}: unknown key for {target}; it accepts {sorted(set(params) - {'self'})}"
+                    return f"env.{key}: unknown key for {target}; it accepts {sorted(params)}"
+        for key, value in kwargs.items():
+            param = params.get(key)
+            # None fits a parameter whose default is None, annotated so or not (`x: float = None`)
+            if param is None or (value is None and param.default is None) or _fits(value, param.annotation):
+                continue
+            annotation = inspect.formatannotation(param.annotation)
+            return (f"env.{key}: {target} takes {annotation} (got: {value!r:.100}, of type {type(value).__name__}); "
+                    f"give a value of that type")
         return None
     if callable(obj) and not inspect.isclass(obj):
         if kwargs:
@@ -108,3 +118,42 @@ def check_environment_config(target: str, kwargs: dict) -> str | None:
             return f"env._target_: {target} must take (response: str, metadata: dict) to be a scoring function"
         return None
     return f"env._target_: {target} is neither an rlkit.envs.Environment subclass nor a scoring function"
+
+
+def _constructor_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """The class's constructor parameters (self excluded), with annotations evaluated where they
+    can be (a module with `from __future__ import annotations` has them as strings); one that
+    cannot be is left a string, which _fits does not check."""
+    try:
+        return dict(inspect.signature(cls, eval_str=True).parameters)
+    except Exception:  # noqa: BLE001 - e.g. NameError: a name imported only under TYPE_CHECKING
+        return dict(inspect.signature(cls).parameters)
+
+
+# the annotations a config value is checked against: the types YAML and JSON values have
+_CHECKED = (bool, int, float, str, list, dict, tuple)
+
+
+def _fits(value, annotation) -> bool:
+    """Whether a config value fits a constructor annotation: int, float, bool, str, list, dict
+    (containers shallowly: list[int] takes any list), unions such as Optional[int] or int | None,
+    and Literal. A bool fits only bool (though Python counts it an int), an int fits float (a
+    recipe may well write 1 for 1.0) and a list fits tuple (YAML and JSON have no tuples). Other
+    annotations (unannotated, Any, a class, Callable, a string left unevaluated) take anything."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in typing.get_args(annotation))
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if annotation is None or annotation is type(None):
+        return value is None
+    annotation = origin or annotation
+    if annotation not in _CHECKED:
+        return True
+    if isinstance(value, bool) or annotation is bool:
+        return isinstance(value, bool) and annotation is bool
+    if annotation is float:
+        return isinstance(value, (int, float))
+    if annotation is tuple:
+        return isinstance(value, (list, tuple))
+    return isinstance(value, annotation)

@@ -8,7 +8,7 @@ env_runner.fail_fast the first failure is raised instead.
 import logging
 import os
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -28,7 +28,7 @@ class StepOutcome:
 
 
 def safe_step(env, messages: list[dict], metadata: dict, timeout_s: float,
-              executor: ThreadPoolExecutor) -> tuple[StepOutcome, bool]:
+              executor: Executor) -> tuple[StepOutcome, bool]:
     """Run env.step in `executor` with a timeout. Returns (outcome, executor_is_stuck)."""
     future = executor.submit(env.step, messages, metadata)
     try:

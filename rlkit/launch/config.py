@@ -1,9 +1,11 @@
 """Compose a recipe with Hydra, check it against the schema, then check cross-key consistency:
-what every run needs, what runs with rollouts need, then the algorithm's own checks (its spec).
-Every problem is one ConfigError line: `key: problem (got: value); fix`."""
+what every run needs, what runs with rollouts need, then the algorithm's own checks (its spec),
+and last that the run's directories can be written. Every problem is one ConfigError line:
+`key: problem (got: value); fix`."""
 
 import difflib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -12,10 +14,12 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from rlkit.algorithms.lr_schedule import SCHEDULES
+from rlkit.algorithms.lr_schedule import SCHEDULES, check_learning_rate
 from rlkit.algorithms.registry import load_algorithm
+from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.config.schema import DATASETS, ConfigError, PromptDataConfig, RootConfig
+from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PromptDataConfig, RootConfig
+from rlkit.data.arithmetic import synthetic_splits
 from rlkit.envs.base import check_environment_config
 from rlkit.models.tiny import ARCHITECTURES, TINY_HEADS, parse_tiny
 from rlkit.refit.driver import TRANSPORTS
@@ -129,6 +133,8 @@ def validate(cfg: RootConfig) -> None:
                           f"{cfg.data.name!r}); select a group of that kind: {DATA_GROUPS[algorithm.data]}")
     if cfg.data.name == "prompts":
         _validate_prompts(cfg.data)
+    if cfg.data.synthetic is not None:
+        _validate_synthetic(cfg.data)
     arch = parse_tiny(p.model_path)
     if p.model_path.startswith("tiny://") and arch not in ARCHITECTURES:
         raise ConfigError(f"policy.model_path: tiny model '{p.model_path}' is unknown; use one of "
@@ -146,9 +152,11 @@ def validate(cfg: RootConfig) -> None:
                           f"set it to a multiple of {model_parallel}")
     o = p.optimizer
     _choice("policy.optimizer.lr_schedule", o.lr_schedule, SCHEDULES)
-    if o.lr <= 0 or o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1:
-        raise ConfigError(f"policy.optimizer.lr / warmup_steps / min_lr_ratio: need lr > 0, warmup_steps >= 0, "
-                          f"0 <= min_lr_ratio <= 1 (got: {o.lr}, {o.warmup_steps}, {o.min_lr_ratio}); e.g. 1e-6, 10, 0.1")
+    check_learning_rate("policy.optimizer.lr", o.lr, "1e-6")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"policy.optimizer.warmup_steps: must be >= 0 (got: {o.warmup_steps}); 0 for no warmup")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"policy.optimizer.min_lr_ratio: must lie in [0, 1] (got: {o.min_lr_ratio}); e.g. 0.1")
     dp = p.num_workers // model_parallel
     if p.train_global_batch_size % (dp * p.micro_batch_size):
         raise ConfigError(f"policy.train_global_batch_size: must be divisible by DP ({dp}) x "
@@ -170,8 +178,15 @@ def validate(cfg: RootConfig) -> None:
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
         raise ConfigError(f"checkpoint.every / checkpoint.keep_last: must be >= 0 (got: {cfg.checkpoint.every}, "
                           f"{cfg.checkpoint.keep_last}); 0 means only at the end / keep all")
+    if cfg.checkpoint.resume not in ("auto", "none"):
+        named_checkpoint(cfg.checkpoint.resume)
     if algorithm.rollouts:
         _validate_environment(cfg)
+    # last: the only checks that touch the disk, so a config with other mistakes creates no directories
+    for key, path in [("run.output_dir", cfg.run.output_dir), ("run.cache_dir", cfg.run.cache_dir),
+                      ("checkpoint.dir", cfg.checkpoint.dir)]:
+        if path is not None:
+            _writable_dir(key, path)
 
 
 def _validate_prompts(d: PromptDataConfig) -> None:
@@ -189,6 +204,36 @@ def _validate_prompts(d: PromptDataConfig) -> None:
     if d.val_size == 0:
         raise ConfigError("data.val_size: must be >= 1 or null (all rows) (got: 0); to skip validation set "
                           "data.val_path=null")
+
+
+def _validate_synthetic(d: PromptDataConfig | FileDataConfig) -> None:
+    """data.synthetic: the sizes, then generating the set once runs the generator's own checks
+    (kind, operations, enough distinct problems for the sizes), which would otherwise fail only at
+    data loading, once the run has started."""
+    s = d.synthetic
+    _positive(("data.synthetic.train_size", s.train_size), ("data.synthetic.max_operand", s.max_operand))
+    if s.val_size < 0:
+        raise ConfigError(f"data.synthetic.val_size: must be >= 0 (got: {s.val_size}); set a count of problems")
+    if s.val_size == 0 and d.val_path is not None:
+        raise ConfigError("data.synthetic.val_size: must be >= 1 while data.val_path is set (got: 0); to skip "
+                          "validation set data.val_path=null")
+    synthetic_splits(s)
+
+
+def _writable_dir(key: str, path: str) -> None:
+    """Create the directory and write a file in it: a path under a file, a file where the directory
+    should be, or a read-only place fails here, not when the run first writes there minutes in."""
+    where = Path(path)
+    if where.exists() and not where.is_dir():
+        raise ConfigError(f"{key}: {path} is a file, not a directory; give a directory path")
+    probe = where / f".rlkit-write-probe-{os.getpid()}"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot create or write to the directory {path} ({e.strerror}: {e.filename}); "
+                          f"give a directory rlkit can create and write to") from None
 
 
 def _validate_rollout_choices(cfg: RootConfig) -> None:

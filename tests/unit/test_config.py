@@ -147,6 +147,30 @@ ERRORS = [
     # the recipe turns the warm start on (40 SFT steps); 48 is not a multiple of DP (2) x mbs (16) = 32
     ("warm-start-batch-not-divisible", ["algorithm.warm_start.batch_size=48"], "algorithm.warm_start.batch_size",
      ["divisible by DP (2) x policy.micro_batch_size (16)", "(got: 48)"], ["algorithm.warm_start.batch_size=96"]),
+    # the synthetic set: an empty or impossible one used to fail only at data loading, once the run had started
+    ("synthetic-train-size-zero", ["data.synthetic.train_size=0"], "data.synthetic.train_size",
+     ["must be >= 1", "(got: 0)"], ["data.synthetic.train_size=1"]),
+    ("synthetic-val-size-zero", ["data.synthetic.val_size=0"], "data.synthetic.val_size",
+     ["must be >= 1 while data.val_path is set", "(got: 0)", "data.val_path=null"],
+     ["data.synthetic.val_size=0", "data.val_path=null"]),
+    ("synthetic-val-size-negative", ["data.synthetic.val_size=-1", "data.val_path=null"], "data.synthetic.val_size",
+     ["must be >= 0", "(got: -1)"], ["data.synthetic.val_size=0", "data.val_path=null"]),
+    ("synthetic-max-operand-zero", ["data.synthetic.max_operand=0"], "data.synthetic.max_operand",
+     ["must be >= 1", "(got: 0)"], ["data.synthetic.max_operand=19"]),
+    # operands 0..5 with "+" make 6 x 6 = 36 distinct problems, fewer than the 300 + 100 asked for
+    ("synthetic-too-few-problems", ["data.synthetic.max_operand=5"], "data.synthetic.train_size",
+     ["400 exceeds the 36 distinct problems", "raise max_operand or lower the sizes"],
+     ["data.synthetic.max_operand=5", "data.synthetic.train_size=30", "data.synthetic.val_size=6"]),
+    ("synthetic-operation", ["data.synthetic.operations=['^']"], "data.synthetic.operations",
+     ["['^']", "choose from ['+', '-', '*']"], ["data.synthetic.operations=['*']"]),
+    ("synthetic-kind", ["data.synthetic.kind=geometry"], "data.synthetic.kind",
+     ["must be one of ['arithmetic', 'word_problems']", "(got: 'geometry')"], ["data.synthetic.kind=word_problems"]),
+    # env.* keys against the constructor's annotations: a bool is no float, an int is
+    ("env-key-type", ["env=math", "env.correct_reward=true"], "env.correct_reward",
+     ["rlkit.envs.math_answers.MathEnv takes float", "(got: True, of type bool)"],
+     ["env=math", "env.correct_reward=2"]),
+    ("env-key-type-plus", ["+env.correct_reward=high"], "env.correct_reward",
+     ["ArithmeticEnv takes float", "(got: 'high', of type str)"], ["+env.correct_reward=2.0"]),
 ]
 
 
@@ -195,6 +219,15 @@ FAMILY_ERRORS = [
      "checkpoint.save_format", ["use checkpoint.save_format=dist"], ["policy.use_distributed_optimizer=true"]),
     ("rloo-group", "rloo_tiny_cpu", ["algorithm.group_size=1"], "algorithm.group_size",
      ["RLOO needs at least 2"], ["algorithm.group_size=4"]),
+    ("sft-synthetic-train-size-zero", "sft_tiny_cpu", ["data.synthetic.train_size=0"], "data.synthetic.train_size",
+     ["must be >= 1", "(got: 0)"], ["data.synthetic.train_size=1"]),
+    ("dpo-synthetic-val-size-zero", "dpo_tiny_cpu", ["data.synthetic.val_size=0"], "data.synthetic.val_size",
+     ["data.val_path=null"], ["data.synthetic.val_size=0", "data.val_path=null"]),
+    # word problems: operands up to 1 give too few distinct questions for 4000 + 200
+    ("word-problems-too-few", "grpo_tiny_cpu", ["data=word_problems", "data.synthetic.max_operand=1"],
+     "data.synthetic.max_operand", ["distinct word problems with max_operand=1"],
+     ["data=word_problems", "data.synthetic.max_operand=1", "data.synthetic.train_size=50",
+      "data.synthetic.val_size=10"]),
 ]
 
 
@@ -257,6 +290,52 @@ def test_nonpositive_warm_start_batch_size_is_a_config_error(value):
     message = load_error([f"algorithm.warm_start.batch_size={value}"])
     assert_names_key(message, "algorithm.warm_start.batch_size")
     assert f"(got: {value})" in message
+
+
+# every learning-rate key of every algorithm
+LEARNING_RATES = [(RECIPE, "policy.optimizer.lr"), (RECIPE, "algorithm.warm_start.lr"),
+                  ("ppo_tiny_cpu", "algorithm.critic.lr"), ("dpo_tiny_cpu", "algorithm.warm_start.lr"),
+                  ("sft_tiny_cpu", "policy.optimizer.lr")]
+
+
+@pytest.mark.parametrize("value", ["-1e-4", "0", "nan", "inf"])
+@pytest.mark.parametrize("recipe, key", LEARNING_RATES, ids=[f"{r}-{k}" for r, k in LEARNING_RATES])
+def test_learning_rate_must_be_finite_and_positive(recipe, key, value):
+    """Negative and zero rates were refused already (policy.optimizer.lr in one message naming three keys);
+    nan and inf passed every check and turn the weights into nan at the first step."""
+    message = load_error([f"{key}={value}"], name=recipe)
+    assert_names_key(message, key)
+    assert f"(got: {float(value)})" in message
+
+
+# ---- directories and checkpoints the run will use: checked at load, not when first written -------------------
+
+@pytest.mark.parametrize("case", ["under-a-file", "is-a-file", "not-writable"])
+@pytest.mark.parametrize("key", ["run.output_dir", "run.cache_dir", "checkpoint.dir"])
+def test_unusable_directory_is_a_config_error(tmp_path, key, case):
+    """Tests run as root, to whom a chmod-ed read-only directory is still writable: a path under a regular file
+    cannot be created, a regular file is no directory, and /proc takes no new files even from root."""
+    file = tmp_path / "file"
+    file.write_text("")
+    path = {"under-a-file": file / "dir", "is-a-file": file, "not-writable": Path("/proc")}[case]
+    message = load_error([f"{key}={path}"])
+    assert_names_key(message, key)
+    assert str(path) in message
+
+
+def test_run_directories_are_made_at_load(tmp_path):
+    load_config(RECIPE, pinned([f"run.output_dir={tmp_path / 'out'}", f"run.cache_dir={tmp_path / 'cache' / 'deep'}"]))
+    # made, and no write probe left behind
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["cache", "cache/deep", "out"]
+
+
+def test_resume_from_a_missing_checkpoint_fails_at_load(tmp_path):
+    """It used to fail only in train(); at load, `--cfg job` and verify-refit see it too."""
+    checkpoint = tmp_path / "step_000004"
+    message = load_error([f"checkpoint.resume={checkpoint}"])
+    assert message.startswith(f"checkpoint.resume={checkpoint}: not a complete checkpoint directory (step_NNNNNN)")
+    checkpoint.mkdir()  # its files are verified when the run starts (checkpoint.to_resume), not at load
+    load_config(RECIPE, pinned([f"checkpoint.resume={checkpoint}"]))
 
 
 # ---- HF checkpoint directories: heads come from config.json ---------------------------------------------

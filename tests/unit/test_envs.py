@@ -2,11 +2,14 @@
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Literal, Optional
 
 import pytest
 
 from rlkit.envs.arithmetic import ArithmeticEnv, GuessSumEnv
-from rlkit.envs.base import EnvStep, MalformedStepError, as_env_step, check_environment_config, load_environment
+from rlkit.envs.base import (EnvStep, Environment, MalformedStepError, as_env_step, check_environment_config,
+                             load_environment)
 from rlkit.envs.math_answers import MathEnv, answers_match, extract_answer
 from rlkit.envs.runner import safe_step
 
@@ -95,6 +98,46 @@ def test_config_checks_name_the_key():
     assert check_environment_config("rlkit.envs.math_answers.extract_answer", {}).startswith("env._target_:")  # 1 arg
     assert check_environment_config("rlkit.envs.math_answers.answers_match", {"x": 1}).startswith("env.x:")
     assert "cannot import" in check_environment_config("no_such_module.Env", {})
+
+
+class _Typed(Environment):
+    """One constructor parameter per kind of annotation the env.* check reads."""
+
+    def __init__(self, *, count: int, scale: float, flag: bool, name: str, limit: int | None, ratio: Optional[float],
+                 tags: list[str], options: dict | None, sizes: tuple[int, ...], mode: Literal["fast", "exact"],
+                 path: Path, later: "int", loose, sloppy: float = None):
+        pass
+
+
+class _NoConstructor(Environment):
+    pass
+
+
+@pytest.mark.parametrize("key, value", [
+    ("count", 3), ("scale", 2), ("scale", 0.5), ("flag", False), ("name", "x"), ("limit", None), ("limit", 4),
+    ("ratio", None), ("ratio", 1), ("tags", ["a"]), ("options", {"a": 1}), ("options", None), ("sizes", [1, 2]),
+    ("mode", "exact"), ("path", "/tmp"),  # a class annotation is not checked: the constructor may convert
+    ("later", 3), ("loose", [1, "a"]), ("sloppy", None)])  # None fits a parameter whose default is None
+def test_env_key_of_the_annotated_type_is_accepted(key, value):
+    assert check_environment_config(f"{__name__}._Typed", {key: value}) is None
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("count", True, "int"), ("count", 2.5, "int"), ("count", "3", "int"), ("scale", "fast", "float"),
+    ("scale", False, "float"), ("scale", None, "float"), ("flag", 1, "bool"), ("flag", "true", "bool"),
+    ("name", 3, "str"), ("limit", 2.5, "int | None"), ("ratio", "x", "Optional[float]"), ("tags", "a", "list[str]"),
+    ("options", [1], "dict | None"), ("sizes", 3, "tuple[int, ...]"), ("mode", "slow", "Literal['fast', 'exact']"),
+    ("later", "3", "int")])  # a string annotation is evaluated
+def test_env_key_of_another_type_names_key_type_and_value(key, value, expected):
+    reason = check_environment_config(f"{__name__}._Typed", {key: value})
+    assert reason == (f"env.{key}: {__name__}._Typed takes {expected} (got: {value!r}, of type "
+                      f"{type(value).__name__}); give a value of that type")
+
+
+def test_env_key_for_a_class_without_constructor_is_unknown():
+    """object.__init__'s (*args, **kwargs) used to read as "takes any key"; the class takes none."""
+    reason = check_environment_config(f"{__name__}._NoConstructor", {"tolerance": 2})
+    assert reason.startswith("env.tolerance: unknown key")
 
 
 def exact_score(response: str, metadata: dict) -> float:

@@ -32,8 +32,10 @@ def test_one_step_runs_decay_straight_to_the_minimum():
 
 
 @pytest.mark.parametrize("override, fragment", [("policy.optimizer.lr_schedule=step", "must be one of"),
-                                                ("policy.optimizer.warmup_steps=-1", "warmup_steps >= 0"),
-                                                ("policy.optimizer.min_lr_ratio=1.5", "0 <= min_lr_ratio <= 1")])
+                                                ("policy.optimizer.warmup_steps=-1",
+                                                 "policy.optimizer.warmup_steps: must be >= 0"),
+                                                ("policy.optimizer.min_lr_ratio=1.5",
+                                                 "policy.optimizer.min_lr_ratio: must lie in [0, 1]")])
 def test_bad_schedules_are_config_errors(override, fragment):
     with pytest.raises(ConfigError, match="^policy.optimizer") as error:
         load_config("grpo_tiny_cpu", [override])
