@@ -7,6 +7,7 @@ import difflib
 import json
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -221,18 +222,18 @@ def _validate_synthetic(d: PromptDataConfig | FileDataConfig) -> None:
 
 
 def _writable_dir(key: str, path: str) -> None:
-    """Create the directory and write a file in it: a path under a file, a file where the directory
-    should be, or a read-only place fails here, not when the run first writes there minutes in."""
-    where = Path(path)
-    if where.exists() and not where.is_dir():
-        raise ConfigError(f"{key}: {path} is a file, not a directory; give a directory path")
-    probe = where / f".rlkit-write-probe-{os.getpid()}"
+    """The directory exists or can be made, and can be written: a path under a file, a file where
+    the directory should be, or a read-only place fails here, not when the run first writes there
+    minutes in. Probed in its nearest existing ancestor, so a config error leaves no folder behind."""
+    where = Path(path).absolute()
+    existing = next(p for p in [where, *where.parents] if p.exists())
+    if not existing.is_dir():
+        what = "is a file" if existing == where else f"lies under the file {existing}"
+        raise ConfigError(f"{key}: {path} {what}, not a directory; give a directory path")
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
+        os.rmdir(tempfile.mkdtemp(prefix=".rlkit-write-probe-", dir=existing))
     except OSError as e:
-        raise ConfigError(f"{key}: cannot create or write to the directory {path} ({e.strerror}: {e.filename}); "
+        raise ConfigError(f"{key}: cannot create or write to the directory {path} ({e.strerror}: {existing}); "
                           f"give a directory rlkit can create and write to") from None
 
 
