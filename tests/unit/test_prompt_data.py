@@ -123,13 +123,12 @@ def test_overlong_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):
         load_prompt_splits(d, renderer(tokenizer, d))
 
 
-def test_a_huge_prompt_is_tokenized_only_in_part_and_dropped(tmp_path, tokenizer, monkeypatch):
+def test_a_huge_prompt_is_tokenized_only_in_part_and_dropped(tmp_path, tokenizer, tokenized_lengths):
     rows = [{"question": "1+1=", "answer": "2"}, {"question": "one more word " * 60_000, "answer": "2"}]
     d = data_config(write(tmp_path / "huge.jsonl", rows), max_prompt_tokens=30)
-    longest = record_longest_tokenized(tokenizer, monkeypatch)
     train, _ = load_prompt_splits(d, renderer(tokenizer, d))
     assert [p.messages[-1]["content"] for p in train] == ["1+1="]
-    assert max(longest) < 1000  # characters, of a 780,000-character prompt
+    assert max(tokenized_lengths) < 1000  # characters, of a 780,000-character prompt
 
 
 def test_a_row_over_the_byte_limit_names_file_row_and_field(tmp_path, tokenizer):
@@ -138,13 +137,6 @@ def test_a_row_over_the_byte_limit_names_file_row_and_field(tmp_path, tokenizer)
     with pytest.raises(ConfigError, match=r"data.train_path: .*big.jsonl row 1: 2005 bytes of text, over "
                                           r"data.max_row_bytes=1000 \(field 'notes' holds 2000\)"):
         load_prompt_splits(d, renderer(tokenizer, d))
-
-
-def record_longest_tokenized(tokenizer, monkeypatch) -> list[int]:
-    """Lengths of the texts the tokenizer is asked to tokenize, from now on."""
-    seen, tokenize = [], type(tokenizer).__call__
-    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, text, **kw: seen.append(len(text)) or tokenize(self, text, **kw))
-    return seen
 
 
 def test_val_size_takes_the_first_rows(tmp_path, tokenizer):

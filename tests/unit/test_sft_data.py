@@ -191,13 +191,12 @@ def test_bad_preference_rows_name_the_field(tokenizer, row, field):
 
 # bounded work on any row
 
-def test_a_long_response_is_cut_before_tokenizing_with_the_same_first_tokens(tokenizer, monkeypatch):
+def test_a_long_response_is_cut_before_tokenizing_with_the_same_first_tokens(tokenizer, tokenized_lengths):
     row = {"prompt": "Tell me a story.", "response": "once upon a time there was a fox. " * 20_000}
-    whole_ids, whole_mask = tokenize_sft_row(tokenizer, row, "row 0", 10**9)
-    longest = record_longest_tokenized(tokenizer, monkeypatch)
     ids, mask = tokenize_sft_row(tokenizer, row, "row 0", MAX_TOKENS)
+    assert max(tokenized_lengths) < 2000  # characters, of a 700,000-character response
+    whole_ids, whole_mask = tokenize_sft_row(tokenizer, row, "row 0", 10**9)
     assert len(ids) > MAX_TOKENS and (ids[:MAX_TOKENS], mask[:MAX_TOKENS]) == (whole_ids[:MAX_TOKENS], whole_mask[:MAX_TOKENS])
-    assert max(longest) < 2000  # characters, of a 700,000-character response
 
 
 def test_a_row_over_the_byte_limit_names_file_row_and_field(tmp_path):
@@ -205,13 +204,6 @@ def test_a_row_over_the_byte_limit_names_file_row_and_field(tmp_path):
     with pytest.raises(ValueError, match=re.escape(path) + r" row 1: 1204 bytes of text, over data.max_row_bytes=1000 "
                                          r"\(field 'response' holds 1200\); shorten or drop the row"):
         load_rows(path, 1000)
-
-
-def record_longest_tokenized(tokenizer, monkeypatch) -> list[int]:
-    """Lengths of the texts the tokenizer is asked to tokenize, from now on."""
-    seen, tokenize = [], type(tokenizer).__call__
-    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, text, **kw: seen.append(len(text)) or tokenize(self, text, **kw))
-    return seen
 
 
 # synthetic writers
