@@ -42,9 +42,12 @@ def cached_warm_start(policy: ModelWorkers, out_dir: Path, train) -> None:
     train()
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_hf(str(tmp))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    try:
+        policy.save_hf(str(tmp))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    finally:  # interrupted while saving: no half-written folder stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
     policy.reset_optimizer()
 
 

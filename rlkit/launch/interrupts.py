@@ -3,7 +3,8 @@
 The first signal asks the step loop to stop at the next step boundary (it checkpoints that step and
 raises RunStopped); checkpoint.interrupt_grace_s bounds how long that may take. A second signal, or
 the grace period running out, interrupts the run where it is, without a checkpoint. Either way the
-run's `finally` blocks stop its workers and its Ray cluster."""
+run's `finally` blocks stop its workers and its Ray cluster. Work with no checkpoint to finish
+(the warm start) stops at the first signal."""
 
 import _thread
 import contextlib
@@ -11,12 +12,15 @@ import logging
 import signal
 import threading
 
+from rlkit.algorithms.loop import RunStopped
+
 log = logging.getLogger("rlkit")
 
 
 class StopRequest:
     def __init__(self, grace_s: float):
         self.grace_s, self.reason = grace_s, None
+        self.uncheckpointed = None  # why a signal now stops at once, e.g. "during the warm start ..."
 
     def __call__(self) -> str | None:
         """The signal's name once one arrived, else None (run_steps' stop_requested)."""
@@ -28,11 +32,22 @@ class StopRequest:
             log.warning("%s again: stopping now, without a checkpoint", name)
             raise KeyboardInterrupt(f"{name} again")
         self.reason = name
+        if self.uncheckpointed:
+            raise RunStopped(name, f"stopped by {name} {self.uncheckpointed}; rerun the same command to continue")
         log.warning("%s: finishing this step and checkpointing it (within checkpoint.interrupt_grace_s=%g s); "
                     "send it again to stop at once", name, self.grace_s)
         timer = threading.Timer(self.grace_s, self._grace_over)
         timer.daemon = True
         timer.start()
+
+    @contextlib.contextmanager
+    def stopping_at_once(self, why: str):
+        """Within: the first signal stops the run where it is (nothing here can be checkpointed)."""
+        self.uncheckpointed = why
+        try:
+            yield
+        finally:
+            self.uncheckpointed = None
 
     def _grace_over(self):
         log.warning("checkpoint.interrupt_grace_s=%g s passed: stopping without a checkpoint", self.grace_s)

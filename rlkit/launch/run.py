@@ -55,8 +55,10 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
             if resume_from is None and warm_dir is not None:
                 log.info("warm start: running %d SFT steps with rlkit's trainer before %s, cached in %s",
                          cfg.algorithm.warm_start.sft_steps, algorithm.name, warm_dir)
-                cached_warm_start(workers.policy, warm_dir,
-                                  lambda: algorithm.warm_start(cfg, workers.policy, tokenizer, data, warm_dir))
+                with stop_requested.stopping_at_once("during the warm start, which is not checkpointed (the next "
+                                                     "run redoes it)"):
+                    cached_warm_start(workers.policy, warm_dir,
+                                      lambda: algorithm.warm_start(cfg, workers.policy, tokenizer, data, warm_dir))
                 start_dir = warm_dir
             trainer = algorithm.trainer(RunContext(cfg, algorithm, workers, tokenizer, data, start_dir))
             rows = ShuffledStream(data.train, trainer.rows_per_step, cfg.run.seed)
