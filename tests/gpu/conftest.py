@@ -4,6 +4,7 @@ import pytest
 import ray
 import torch
 
+from rlkit.cluster.ray_runtime import join_or_start_ray
 from rlkit.launch.config import load_config
 
 
@@ -21,8 +22,10 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1")
+def ray_cluster(make_cfg):
+    """The loopback-only local cluster a run starts (rlkit/cluster/ray_runtime.py), 8 CPUs."""
+    cfg, _ = make_cfg("cluster.num_cpus=8", "cluster.object_store_mb=8192")
+    join_or_start_ray(cfg.cluster)
     yield
     ray.shutdown()
 
