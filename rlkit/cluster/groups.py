@@ -111,6 +111,14 @@ class ModelWorkers:
     def reset_optimizer(self):
         self.workers.every_rank(Model.reset_optimizer)
 
+    def device_name(self) -> str | None:
+        """Rank 0's GPU (a run's GPUs are assumed to be of one kind); None on CPU."""
+        return self.workers.only([0], Model.device_name)[0]
+
+    def peak_memory_gb(self) -> float:
+        """The most GPU memory any rank held since the last call (each rank's count restarts)."""
+        return max(self.workers.every_rank(Model.peak_memory_gb))
+
     def sleep(self) -> int:
         """Bytes moved off the GPUs (colocated with vLLM); 0 on CPU."""
         return sum(self.workers.every_rank(Model.sleep))

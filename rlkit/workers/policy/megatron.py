@@ -111,6 +111,19 @@ class MegatronModelWorker:
                 "pp": m.get_pipeline_model_parallel_rank(), "dp": m.get_data_parallel_rank(),
                 "is_output": self._is_output()}
 
+    def device_name(self) -> str | None:
+        """The GPU's name (the controller looks up its peak FLOP/s); None on CPU."""
+        return torch.cuda.get_device_name() if ON_GPU else None
+
+    def peak_memory_gb(self) -> float:
+        """The most GPU memory this rank's tensors held since the last call, which starts the
+        next count; 0 on CPU."""
+        if not ON_GPU:
+            return 0.0
+        peak = torch.cuda.max_memory_allocated() / 1e9
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+
     def reset_optimizer(self):
         """Drop optimizer state (rebuilt fresh at the next train step), e.g. between a warm start
         and RL, so a run that just did the warm start and one that loaded it from cache agree."""
