@@ -36,6 +36,7 @@ class Episode:
 @dataclass
 class Episodes:
     batch: Batch  # input_ids, response_mask, generation_logprobs (token-aligned)
+    lengths: torch.Tensor  # [B] real tokens of each row (prompt and every turn); the rest is padding
     rewards: torch.Tensor  # [B] summed over turns
     correct: torch.Tensor  # [B] 1.0 right, 0.0 wrong, NaN where the environment gave no verdict (or failed)
     metrics: dict
@@ -106,4 +107,5 @@ def _collate(episodes: list[Episode], pad_id: int, failures: dict) -> Episodes:
     metrics = {"train/turns": sum(e.turns for e in episodes) / len(episodes), **failures,
                "env/failure_rate": failures.get("env/failures", 0) / len(episodes)}
     return Episodes(Batch({"input_ids": input_ids, "response_mask": mask, "generation_logprobs": logprobs}),
-                   torch.tensor([e.reward for e in episodes]), correct, metrics)
+                    torch.tensor([len(e.token_ids) for e in episodes]), torch.tensor([e.reward for e in episodes]),
+                    correct, metrics)

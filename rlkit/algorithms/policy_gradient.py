@@ -9,6 +9,7 @@ data-parallel rank into the object store. Logprobs, token-level advantages and t
 where each shard is held; only per-sample rewards and metrics come back.
 """
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,8 @@ from rlkit.data.prompts import Prompt, PromptRenderer, load_prompt_splits
 from rlkit.envs.runner import EnvironmentPool
 from rlkit.observability.logprob_agreement import agreement_metrics, reference_kl
 from rlkit.observability.metrics import PhaseTimer
+from rlkit.observability.throughput import (DecoderShape, PhaseWork, forward_flops, peak_bf16_flops, phase_metrics,
+                                            training_flops)
 from rlkit.refit.driver import RefitDriver
 
 
@@ -127,9 +130,16 @@ class PolicyGradientTrainer:
         if a.kl_coef > 0:  # the KL anchor: the weights the run started from (after any warm start)
             self.policy.init_reference(str(ctx.start_dir))
         self.critic = self.start_critic(ctx)
-        sleepers = [m for m in (self.policy, self.critic) if m is not None] \
-            if cfg.cluster.placement == "colocated" else []
+        self.models = [m for m in (self.policy, self.critic) if m is not None]  # the trained ones
+        sleepers = self.models if cfg.cluster.placement == "colocated" else []
         self.refit = RefitDriver(cfg, self.policy, self.generation, workers.placement_group, sleepers)
+        # what the throughput metrics need: the architecture (from config.json, no weights), the
+        # GPU's peak (None on CPU: no MFU) and how many GPUs each phase runs on (a bundle is one)
+        self.shape = DecoderShape.of(json.loads((ctx.start_dir / "config.json").read_text()))
+        self.peak_flops = peak_bf16_flops(self.policy.device_name())
+        self.gpus = {"policy": len(workers.placement.policy_bundles),
+                     "generation": len(workers.placement.generation_bundles)}
+        self.on_gpu = workers.device == "GPU"
         self.envs = EnvironmentPool(cfg.env, cfg.env_runner)
 
     def start_critic(self, ctx: RunContext):
@@ -146,6 +156,7 @@ class PolicyGradientTrainer:
             with timer("generate"):
                 self.generation.sleep()  # colocated: give the memory back to the policy
             rewards, summary = episodes.rewards, episodes.summary("train")
+            lengths, generated = episodes.lengths.tolist(), episodes.batch["response_mask"].sum().item()
             with timer("logprobs"):
                 totals = minibatch_totals(episodes.batch, self.policy.layout.dp_size, self.minibatches)
                 self.hold(episodes.batch)
@@ -158,7 +169,8 @@ class PolicyGradientTrainer:
             with timer("train"):
                 train_metrics = self.train(totals, (step - 1) * self.minibatches)
                 self.refit.stale = True
-        return {**summary, **advantage_metrics, **train_metrics, **refit_metrics, **timer.seconds, **agreement}
+        return {**summary, **advantage_metrics, **train_metrics, **refit_metrics, **timer.seconds, **agreement,
+                **self.performance(lengths, generated, timer.seconds)}
 
     def episodes(self, prompts: list[Prompt], params: SamplingParams, timer: PhaseTimer | None = None) -> Episodes:
         """Generation and environment turns until every episode is done; timer accumulates the
@@ -167,6 +179,24 @@ class PolicyGradientTrainer:
 
     def hold(self, rollout: Batch) -> None:
         self.policy.hold(rollout)
+
+    def performance(self, lengths: list[int], generated: float, seconds: dict) -> dict:
+        """Tokens/s and MFU of the model phases (rlkit/observability/throughput.py), counted on the
+        rows' real lengths, and on GPU each trained model's peak memory since the last step.
+        generate: the sampled tokens; its FLOPs one forward over each whole row (what decoding
+        with a KV cache adds up to). logprobs: every row's tokens once per model that scores them
+        (the policy; the reference when algorithm.kl_coef > 0). train: every row's tokens."""
+        forward, tokens = forward_flops(self.shape, lengths), float(sum(lengths))
+        scorers = 2 if self.cfg.algorithm.kl_coef > 0 else 1
+        work = {"generate": PhaseWork(generated, forward, self.gpus["generation"]),
+                "logprobs": PhaseWork(scorers * tokens, scorers * forward, self.gpus["policy"]),
+                "train": PhaseWork(tokens, self.train_flops(lengths), self.gpus["policy"])}
+        memory = {f"memory/{m.role}_peak_gb": m.peak_memory_gb() for m in self.models} if self.on_gpu else {}
+        return {**phase_metrics(work, seconds, self.peak_flops), **memory}
+
+    def train_flops(self, lengths: list[int]) -> float:
+        """The policy's forward and backward over the rows (PPO adds its critic's)."""
+        return training_flops(self.shape, lengths)
 
     def train(self, totals: list[BatchTotals], first_optimizer_step: int) -> dict:
         """One optimizer step per mini-batch of policy.train_global_batch_size samples: part i of

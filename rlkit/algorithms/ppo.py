@@ -19,6 +19,7 @@ from rlkit.algorithms.registry import AlgorithmSpec
 from rlkit.cluster.setup import start_critic
 from rlkit.config.schema import ConfigError
 from rlkit.data.batch import Batch, BatchTotals
+from rlkit.observability.throughput import training_flops
 
 
 @dataclass
@@ -82,6 +83,11 @@ class PPO(PolicyGradientTrainer):
     def train(self, totals: list[BatchTotals], first_optimizer_step: int) -> dict:
         """The critic's step, then the policy's (timed together as timing/train)."""
         return {**self.train_critic(totals, first_optimizer_step), **super().train(totals, first_optimizer_step)}
+
+    def train_flops(self, lengths: list[int]) -> float:
+        """The critic trains on the same rows: the policy's trunk, no LM head (its value head is
+        hidden x 1, negligible)."""
+        return super().train_flops(lengths) + training_flops(self.shape, lengths, lm_head=False)
 
     def train_critic(self, totals: list[BatchTotals], first_optimizer_step: int) -> dict:
         """One critic optimizer step per mini-batch, like the policy's."""

@@ -24,6 +24,15 @@ def test_three_grpo_steps(ray_cluster, make_cfg, placement):
                     "train/entropy", "train/grad_norm", "refit/token_mult_prob_error", "timing/generate",
                     "timing/reward", "timing/logprobs", "timing/train", "timing/refit"]:
             assert key in metrics and math.isfinite(metrics[key]), key
+        tokens = {}
+        for phase in ["generate", "logprobs", "train"]:
+            per_s = metrics[f"perf/{phase}_tokens_per_s"]
+            assert math.isfinite(per_s) and per_s > 0, phase
+            tokens[phase] = per_s * metrics[f"timing/{phase}"]
+        assert tokens["generate"] == pytest.approx(32 * metrics["train/response_length"])  # sampled, no padding
+        assert tokens["logprobs"] == pytest.approx(2 * tokens["train"])  # the policy and the KL reference
+        # on CPU there is no peak to divide by, and no GPU memory
+        assert not [k for k in metrics if k.endswith("_mfu") or k.startswith("memory/")]
         # the generation workers hold exactly the policy's weights: logprobs agree to float noise
         assert metrics["refit/logprob_abs_error_max"] < 1e-4
     assert "val/accuracy" in result.history[2] and "val/accuracy" in result.history[3]
