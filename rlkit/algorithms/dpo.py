@@ -121,6 +121,9 @@ def validate(cfg: RootConfig, dp: int) -> None:
     if a.sft_weight < 0:
         raise ConfigError(f"algorithm.sft_weight: must be >= 0 (got: {a.sft_weight}); 0 disables the SFT term")
     validate_warm_start(cfg, dp)
+    if p.max_tokens_per_microbatch:
+        raise ConfigError(f"policy.max_tokens_per_microbatch: DPO keeps each chosen/rejected pair in one micro-batch, "
+                          f"which a token budget would split (got: {p.max_tokens_per_microbatch}); set it to 0")
     if p.micro_batch_size % 2:
         raise ConfigError(f"policy.micro_batch_size: DPO keeps each chosen/rejected pair in one micro-batch, "
                           f"so it must be even (got: {p.micro_batch_size})")

@@ -153,8 +153,8 @@ class PolicyGradientTrainer:
                 refit_metrics = self.refit.sync()
             sampling = SamplingParams(**{**self.sampling.__dict__, "seed": self.sampling.seed + step})
             episodes = self.episodes([r for r in rows for _ in range(a.group_size)], sampling, timer)
-            with timer("generate"):
-                self.generation.sleep()  # colocated: give the memory back to the policy
+            with timer("reclaim"):
+                wake_metrics = self.refit.reclaim()  # colocated: the memory goes back to the trained models
             rewards, summary = episodes.rewards, episodes.summary("train")
             lengths, generated = episodes.lengths.tolist(), episodes.batch["response_mask"].sum().item()
             with timer("logprobs"):
@@ -169,8 +169,8 @@ class PolicyGradientTrainer:
             with timer("train"):
                 train_metrics = self.train(totals, (step - 1) * self.minibatches)
                 self.refit.stale = True
-        return {**summary, **advantage_metrics, **train_metrics, **refit_metrics, **timer.seconds, **agreement,
-                **self.performance(lengths, generated, timer.seconds)}
+        return {**summary, **advantage_metrics, **train_metrics, **refit_metrics, **wake_metrics, **timer.seconds,
+                **agreement, **self.performance(lengths, generated, timer.seconds)}
 
     def episodes(self, prompts: list[Prompt], params: SamplingParams, timer: PhaseTimer | None = None) -> Episodes:
         """Generation and environment turns until every episode is done; timer accumulates the
@@ -218,7 +218,7 @@ class PolicyGradientTrainer:
         params = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0}) if self.cfg.algorithm.val_greedy \
             else self.sampling
         episodes = self.episodes(self.val_rows, params)
-        self.generation.sleep()  # what follows (training, a checkpoint) needs the policy's memory
+        self.refit.reclaim()  # what follows (training, a checkpoint) needs the trained models' memory
         summary = episodes.summary("val")
         return {**refit_metrics, **{k: summary[k] for k in ("val/reward", "val/accuracy") if k in summary}}
 

@@ -76,7 +76,10 @@ class ModelBridge:
         self._bridge.set_extra_args(sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
                                     masked_softmax_fusion=False, bias_activation_fusion=False,
                                     bias_dropout_fusion=False, apply_rope_fusion=False,
-                                    gradient_accumulation_fusion=False)
+                                    gradient_accumulation_fusion=False,
+                                    # micro-batches are cut to their longest row (rlkit/data/micro_batches.py):
+                                    # pipeline stages exchange each one's shape
+                                    variable_seq_lengths=True)
 
     @property
     def transformer_config(self):

@@ -11,6 +11,7 @@ import torch
 from rlkit.cluster.worker_group import WorkerGroup
 from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.generation import Generations, SamplingParams
+from rlkit.data.micro_batches import LENGTH_MASKS
 from rlkit.workers.generation.base import GenerationWorker as Engine
 from rlkit.workers.generation.hf import HFGenerationWorker
 from rlkit.workers.policy.megatron import MegatronModelWorker as Model
@@ -119,9 +120,22 @@ class ModelWorkers:
         """The most GPU memory any rank held since the last call (each rank's count restarts)."""
         return max(self.workers.every_rank(Model.peak_memory_gb))
 
-    def sleep(self) -> int:
-        """Bytes moved off the GPUs (colocated with vLLM); 0 on CPU."""
-        return sum(self.workers.every_rank(Model.sleep))
+    def sleep(self) -> dict:
+        """Give the GPUs to a colocated vLLM (policy.offload); {} when nothing moved (CPU, offload
+        none). Its metrics name the role: memory freed, host copy seconds (the slowest rank) and
+        GB/s (each rank copies over its own link: the slowest), next to the pinned bandwidth."""
+        reports = [r for r in self.workers.every_rank(Model.sleep) if r]
+        if not reports:
+            return {}
+        return {f"memory/{self.role}_offloaded_gb": sum(r["freed_bytes"] for r in reports) / 1e9,
+                **_copy_metrics(f"{self.role}_sleep", reports),
+                "timing/pinned_d2h_gbytes_per_s": min(r["pinned"]["d2h"] for r in reports),
+                "timing/pinned_h2d_gbytes_per_s": min(r["pinned"]["h2d"] for r in reports)}
+
+    def wake(self) -> dict:
+        """Back on the GPUs after sleep(); its copy metrics ({} if nothing was asleep)."""
+        reports = [r for r in self.workers.every_rank(Model.wake) if r]
+        return _copy_metrics(f"{self.role}_wake", reports) if reports else {}
 
     def save_checkpoint(self, directory: str, save_format: str):
         self.workers.every_rank(Model.save_checkpoint, directory, save_format)
@@ -169,7 +183,8 @@ class GenerationWorkers:
 
 
 def _inputs(batch: Batch) -> list[str]:
-    return [k for k in MODEL_INPUTS if k in batch]
+    """What a forward pass reads, and the masks that say where each row's read outputs end."""
+    return [k for k in (*MODEL_INPUTS, *LENGTH_MASKS) if k in batch]
 
 
 def _summed(per_shard: list[dict]) -> dict:
@@ -177,3 +192,9 @@ def _summed(per_shard: list[dict]) -> dict:
     metrics = {k: sum(m[k] for m in per_shard) for k in per_shard[0] if k != "grad_norm"}
     metrics["grad_norm"] = per_shard[0]["grad_norm"]
     return metrics
+
+
+def _copy_metrics(name: str, reports: list[dict]) -> dict:
+    """timing/{name}: the slowest rank's seconds; timing/{name}_gbytes_per_s: the slowest rank's rate."""
+    return {f"timing/{name}": max(r["seconds"] for r in reports),
+            f"timing/{name}_gbytes_per_s": min(r["copied_bytes"] / r["seconds"] / 1e9 for r in reports)}

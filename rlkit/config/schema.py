@@ -52,10 +52,12 @@ class PolicyConfig:
     tensor_parallel_size: int = MISSING
     pipeline_parallel_size: int = MISSING
     micro_batch_size: int = MISSING
+    max_tokens_per_microbatch: int = MISSING
     train_global_batch_size: int = MISSING
     precision: str = MISSING
     fp32_lm_head: bool = MISSING
     use_distributed_optimizer: bool = MISSING
+    offload: str = MISSING
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
 

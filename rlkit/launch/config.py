@@ -24,6 +24,7 @@ from rlkit.data.arithmetic import synthetic_splits
 from rlkit.envs.base import check_environment_config
 from rlkit.models.tiny import ARCHITECTURES, TINY_HEADS, parse_tiny
 from rlkit.refit.driver import TRANSPORTS
+from rlkit.workers.policy.offload import OFFLOAD_MODES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # data.name -> config groups of that kind, for error messages
@@ -151,6 +152,10 @@ def validate(cfg: RootConfig) -> None:
         raise ConfigError(f"policy.num_workers: must be a multiple of policy.tensor_parallel_size x "
                           f"policy.pipeline_parallel_size = {model_parallel} (got: {p.num_workers}); "
                           f"set it to a multiple of {model_parallel}")
+    _choice("policy.offload", p.offload, OFFLOAD_MODES)
+    if p.max_tokens_per_microbatch < 0:
+        raise ConfigError(f"policy.max_tokens_per_microbatch: must be >= 0 (got: {p.max_tokens_per_microbatch}); "
+                          f"0 turns the token budget off")
     o = p.optimizer
     _choice("policy.optimizer.lr_schedule", o.lr_schedule, SCHEDULES)
     check_learning_rate("policy.optimizer.lr", o.lr, "1e-6")

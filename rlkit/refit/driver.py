@@ -51,10 +51,17 @@ class RefitDriver:
         metrics = self.transfer(self.plan, self.verify) if self.stale else {}
         self.stale = False
         for model in self.sleepers:
-            freed = model.sleep()
-            if freed:
-                metrics[f"memory/{model.role}_offloaded_gb"] = freed / 1e9
+            metrics.update(model.sleep())
         self.generation.wake()
+        return metrics
+
+    def reclaim(self) -> dict:
+        """After generating: the engines sleep and the trained models come back to the GPU (they
+        would at their next call anyway: here it is timed). Returns the wake metrics."""
+        self.generation.sleep()
+        metrics = {}
+        for model in self.sleepers:
+            metrics.update(model.wake())
         return metrics
 
 

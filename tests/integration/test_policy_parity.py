@@ -50,6 +50,28 @@ def test_logprobs_match_hf(ray_cluster, make_cfg, tiny_qwen2, sequences, layout)
     assert (logprobs - reference).abs().max().item() < TOLERANCE
 
 
+@pytest.mark.parametrize("layout", [["policy.num_workers=1"],
+                                    ["policy.num_workers=2", "policy.pipeline_parallel_size=2"]], ids=["tp1", "pp2"])
+def test_micro_batches_cut_to_their_rows_keep_every_read_logprob(ray_cluster, make_cfg, tiny_qwen2, layout):
+    """Rows ending at different lengths (their response masks), grouped by a token budget into
+    micro-batches each cut to its longest row: every logprob up to a row's end is HF's, at PP=2
+    too (the stages exchange each micro-batch's shape)."""
+    g = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(0, 300, (8, 12), generator=g)
+    ends = [12, 4, 7, 3, 12, 9, 5, 6]
+    mask = torch.zeros(8, 12)
+    for r, end in enumerate(ends):
+        mask[r, 2:end] = 1.0
+    reference = _hf_logprobs(tiny_qwen2, input_ids)
+    logprobs = _policy_logprobs(make_cfg, tiny_qwen2, Batch({"input_ids": input_ids, "response_mask": mask}),
+                                [*layout, "policy.max_tokens_per_microbatch=24", "generation.num_workers=1"])
+    for r, end in enumerate(ends):
+        assert (logprobs[r, :end] - reference[r, :end]).abs().max().item() < TOLERANCE, r
+    # the budget of 24 tokens groups rows [0, 4] (12 long), [5, 2] (9) and [7, 6, 1, 3] (6): the last
+    # group was cut at 6 tokens, nothing past that was computed
+    assert not logprobs[[7, 6, 1, 3], 6:].any() and logprobs[[7, 6, 1, 3], 5].all()
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_other_architectures_match_hf(ray_cluster, make_cfg, cache_dir, sequences, arch):
     """Qwen3 (q/k norms, untied) and Llama load through the bridge and agree with HF at TP=2."""

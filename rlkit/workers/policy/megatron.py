@@ -11,7 +11,6 @@ shard where it lives, and training reads it, so token tensors cross the controll
 import os
 import warnings
 from datetime import timedelta
-from functools import partial
 from typing import Callable, Iterator
 
 import ray
@@ -20,10 +19,12 @@ import torch.distributed as dist
 
 from rlkit.config.schema import PolicyConfig
 from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
+from rlkit.data.micro_batches import LENGTH_MASKS, micro_batches, restore_rows
 from rlkit.data.packing import packed_attention_mask
 from rlkit.observability.logprob_agreement import agreement_sums, reference_kl_sums
 from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.refit.sender import RefitSender, sending_half
+from rlkit.workers.policy.offload import HostOffload, pinned_bandwidth
 
 ON_GPU = torch.cuda.is_available()
 # The distributed optimizer's state in a canonical per-parameter layout, so a checkpoint loads at
@@ -80,7 +81,8 @@ class MegatronModelWorker:
             self.bridge.load_trunk_weights(self.model, self.bf16)
         else:
             self.bridge.load_hf_weights(self.model)
-        self.offloaded = None  # CPU copies of what sleep() moved off the GPU
+        self.offload = HostOffload(pin=ON_GPU)  # what sleep() moved off the GPU, in reused pinned buffers
+        self.pinned_bandwidth = None  # GB/s each way, measured at the first sleep()
         self.refit_sender = RefitSender(self)  # this rank's half of refit (policy only)
         self.held: Batch | None = None  # this rank's shard of the step's rollout
         # built at the first train() call: inference-only uses (verify-refit, benchmarks) never
@@ -148,62 +150,56 @@ class MegatronModelWorker:
             chunk.requires_grad_(False)
 
     # ---- GPU memory while a colocated vLLM generates ----------------------------------------
-    def _resident_storages(self) -> tuple[list, list]:
-        """(storages whose contents must survive sleep, storages that may be dropped): weights
-        (and the reference's), optimizer state and fp32 main weights; gradient buffers."""
-        keep, drop, seen = [], [], set()
+    def _resident_storages(self) -> dict[str, list]:
+        """This rank's GPU storages by kind: weights (the reference's too), optimizer (fp32 main
+        weights and Adam state) and gradients (buffers that may be dropped)."""
+        kinds, seen = {"weights": [], "optimizer": [], "gradients": []}, set()
 
-        def add(tensor, into):
+        def add(tensor, kind):
             storage = tensor.untyped_storage()
             if tensor.is_cuda and storage.data_ptr() not in seen and storage.nbytes() > 0:
                 seen.add(storage.data_ptr())
-                into.append(storage)
+                kinds[kind].append(storage)
 
         for chunk in self.model + (self.reference or []):
             for param in chunk.parameters():
-                add(param.data, keep)
+                add(param.data, "weights")
         for chunk in self.model:
             for buffer in getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", []):
-                add(buffer.grad_data, drop)
+                add(buffer.grad_data, "gradients")
         if self.optimizer is not None:
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 for group in opt.optimizer.param_groups:
                     for param in group["params"]:
-                        add(param.data, keep)
+                        add(param.data, "optimizer")
                 for state in opt.optimizer.state.values():
                     for value in state.values():
                         if torch.is_tensor(value):
-                            add(value, keep)
-        return keep, drop
+                            add(value, "optimizer")
+        return kinds
 
-    def sleep(self) -> int:
-        """Free this rank's GPU memory for a colocated vLLM: weights and optimizer state move to
-        host memory, gradient buffers are dropped. Storages are emptied in place (every view,
-        including Megatron's parameter views into its flat buffers, stays valid), so wake()
-        restores them without rebuilding anything. Returns the bytes off the GPU (0 on CPU)."""
-        if not ON_GPU:
-            return 0
-        if self.offloaded is not None:  # still asleep since an earlier call
-            return sum(n for _, n, _ in self.offloaded)
-        keep, drop = self._resident_storages()
-        self.offloaded = [(s, s.nbytes(), s.cpu().pin_memory()) for s in keep] + [(s, s.nbytes(), None) for s in drop]
-        for storage, _, _ in self.offloaded:
-            storage.resize_(0)
-        torch.cuda.empty_cache()
-        return sum(n for _, n, _ in self.offloaded)
+    def sleep(self) -> dict:
+        """Free this rank's GPU memory for a colocated vLLM (policy.offload: all = weights and
+        optimizer state to host memory, optimizer = optimizer state only; both drop the gradient
+        buffers; none = nothing). Returns bytes and seconds, and the pinned bandwidth (measured at
+        the first call) they compare with; {} on CPU, with offload none, or while asleep."""
+        if not ON_GPU or self.cfg.offload == "none" or self.offload.is_asleep:
+            return {}
+        kinds = self._resident_storages()
+        keep = kinds["optimizer"] + (kinds["weights"] if self.cfg.offload == "all" else [])
+        if self.pinned_bandwidth is None:
+            self.pinned_bandwidth = pinned_bandwidth()
+        freed = sum(s.nbytes() for s in keep + kinds["gradients"])
+        copied, seconds = self.offload.sleep(keep, kinds["gradients"])
+        return {"freed_bytes": freed, "copied_bytes": copied, "seconds": seconds, "pinned": self.pinned_bandwidth}
 
-    def wake(self):
-        """Undo sleep(); every call that touches the model calls it first."""
-        if self.offloaded is None:
-            return
-        for storage, nbytes, host in self.offloaded:
-            storage.resize_(nbytes)
-            if host is None:
-                storage.fill_(0)  # gradient buffers are zeroed before each step anyway
-            else:
-                storage.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        self.offloaded = None
+    def wake(self) -> dict:
+        """Undo sleep(); every call that touches the model calls it first. Returns bytes and seconds
+        ({} if awake already)."""
+        if not self.offload.is_asleep:
+            return {}
+        copied, seconds = self.offload.wake()
+        return {"copied_bytes": copied, "seconds": seconds}
 
     # ---- forward / backward ------------------------------------------------------------
     def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -222,32 +218,41 @@ class MegatronModelWorker:
             full = gather_from_tensor_model_parallel_region(logits[:, :-1].float() / self.temperature)
             return torch.nn.functional.pad(entropy_from_logits(full), (1, 0))
 
-    def _run(self, batch: Batch, chunks: list, loss_fn: Callable, forward_only: bool) -> list[dict]:
-        """Run the Megatron schedule over micro-batches of this rank's shard; loss_fn maps
-        (logits, micro_batch) -> (loss, outputs). Returns the outputs of each micro-batch
-        (empty on pipeline stages that do not compute the loss)."""
+    def _run(self, batch: Batch, chunks: list, loss_fn: Callable, forward_only: bool) -> tuple[list[dict], list[int]]:
+        """Run the Megatron schedule over micro-batches of this rank's shard (rlkit/data/
+        micro_batches.py: each cut to its longest row); loss_fn maps (logits, micro_batch) ->
+        (loss, outputs), the loss being the micro-batch's exact share of the global batch loss.
+        Returns the outputs of each micro-batch (empty on pipeline stages that do not compute the
+        loss) and the order of the rows they hold."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs = self.cfg.micro_batch_size
-        num_micro = max(len(batch) // mbs, 1)
-        micro_batches = iter(batch.split(num_micro))
-        seq_len = batch["input_ids"].shape[1]
+        parts, row_order = micro_batches(batch, self.cfg.micro_batch_size, self.cfg.max_tokens_per_microbatch)
         device = torch.cuda.current_device() if ON_GPU else "cpu"
+        # Megatron divides each micro-batch's loss by their number and DDP averages gradients over
+        # DP: undo both, the losses being exact shares already
+        undo_scaling = len(parts) * self.mpu.get_data_parallel_world_size()
+
+        def scaled(loss_and_outputs):
+            loss, outputs = loss_and_outputs
+            return loss * undo_scaling, outputs
 
         def forward_step(data_iterator: Iterator[Batch], model):
-            mb = Batch({k: v.to(device) for k, v in next(data_iterator).tensors.items()})
+            mb = Batch({k: v.to(device, non_blocking=True) for k, v in next(data_iterator).tensors.items()})
             tokens = mb["input_ids"]
             if "segment_ids" in mb:  # packed rows: attention stays inside each sequence
                 positions, attention_mask = mb["position_ids"], packed_attention_mask(mb["segment_ids"])
             else:  # right-padded rows: the default causal mask is exact
-                positions, attention_mask = torch.arange(seq_len, device=device).expand_as(tokens), None
+                positions, attention_mask = torch.arange(tokens.shape[1], device=device).expand_as(tokens), None
             output = model(tokens, positions, attention_mask)
-            return output, partial(loss_fn, micro_batch=mb)
+            return output, lambda out: scaled(loss_fn(out, micro_batch=mb))
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=micro_batches, model=chunks,
-            num_microbatches=num_micro, seq_length=seq_len, micro_batch_size=len(batch) // num_micro,
+        # seq_length and micro_batch_size size the pipeline's messages; variable_seq_lengths (set
+        # at build when PP > 1) makes stages exchange each micro-batch's shape instead
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(parts), model=chunks, num_microbatches=len(parts),
+            seq_length=max(p["input_ids"].shape[1] for p in parts), micro_batch_size=max(len(p) for p in parts),
             forward_only=forward_only)
+        return outputs, row_order
 
     def _head_output(self, output: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Token-aligned [b, S]: logprobs for the policy; for the critic, position t holds the
@@ -265,8 +270,8 @@ class MegatronModelWorker:
         for chunk in chunks:
             chunk.eval()
         with torch.no_grad():
-            outputs = self._run(batch, chunks, loss_fn, forward_only=True)
-        return torch.cat([o["output"] for o in outputs]) if outputs else None
+            outputs, row_order = self._run(batch, chunks, loss_fn, forward_only=True)
+        return restore_rows([o["output"] for o in outputs], row_order, batch["input_ids"].shape[1]) if outputs else None
 
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Token-aligned logprobs (policy) or values (critic) of every row."""
@@ -282,19 +287,16 @@ class MegatronModelWorker:
         objective(head output, micro_batch, totals) (see algorithms/objectives.py). Returns summed
         metrics on output ranks (None elsewhere); the controller sums them across DP ranks."""
         if self.mpu.is_pipeline_last_stage():  # where the loss is computed: exactly what it declares
-            batch = batch.select(*[k for k in MODEL_INPUTS if k in batch], *objective.fields)
-        num_micro = max(len(batch) // self.cfg.micro_batch_size, 1)
-        # Megatron divides each micro-batch loss by num_micro and DDP averages over DP; our losses
-        # are already exact shares of the global batch loss, so undo both scalings.
-        scale = num_micro * self.mpu.get_data_parallel_world_size()
-
+            # (and the length masks, so every stage cuts the same micro-batches)
+            present = [k for k in (*MODEL_INPUTS, *LENGTH_MASKS) if k in batch]
+            batch = batch.select(*dict.fromkeys([*present, *objective.fields]))
         def loss_fn(output, micro_batch):
             value, sums = objective(self._head_output(output, micro_batch["input_ids"]), micro_batch, totals)
             sums = {k: v.item() for k, v in sums.items()}
             if self.head == "lm":
                 sums["entropy"] = (self._token_entropy(output) * micro_batch[objective.mask_key]).sum().item()
             sums["loss"] = value.item()
-            return value * scale, sums
+            return value, sums
 
         self.wake()
         if self.optimizer is None:
@@ -303,7 +305,7 @@ class MegatronModelWorker:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(batch, self.model, loss_fn, forward_only=False)
+        outputs, _ = self._run(batch, self.model, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step failed on rank {self.rank} (non-finite gradients); lower "
@@ -374,7 +376,7 @@ class MegatronModelWorker:
         for chunk in self.model:
             chunk.eval()
         with torch.no_grad():
-            outputs = self._run(self.held, self.model, loss_fn, forward_only=True)
+            outputs, _ = self._run(self.held, self.model, loss_fn, forward_only=True)
         return {k: sum(o[k] for o in outputs) for k in outputs[0]} if outputs and self._is_output() else None
 
     def _is_output(self) -> bool:
