@@ -12,6 +12,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
+from rlkit.workers.policy.offload import pinned_bandwidth
+
 BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 8, 2048, 16, 8, 128
 CAUSAL_FWD_FLOPS = 4 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM / 2
 BWD_FACTOR = 3.5  # forward + backward of attention ~ 3.5x the forward's FLOPs (backward recomputes scores)
@@ -63,15 +65,12 @@ def attention() -> dict:
 
 
 def copies(gbytes=2.4) -> dict:
+    """A fresh .cpu().pin_memory() (what sleep() once did) against rlkit's reused pinned buffers."""
     gpu = torch.empty(int(gbytes * 1e9) // 2, device="cuda", dtype=torch.bfloat16)
-    host = torch.empty(gpu.shape, dtype=torch.bfloat16, pin_memory=True)
-    found = {}
-    for name, fn in [("cpu_then_pin_memory", lambda: gpu.cpu().pin_memory()),
-                     ("d2h_reused_pinned", lambda: host.copy_(gpu, non_blocking=True)),
-                     ("h2d_reused_pinned", lambda: gpu.copy_(host, non_blocking=True))]:
-        s = seconds(fn, repeats=3)
-        found[name] = {"s": s, "GB_per_s": gbytes / s}
-    return found
+    fresh = seconds(lambda: gpu.cpu().pin_memory(), repeats=3)
+    reused = pinned_bandwidth(gbytes)
+    return {"cpu_then_pin_memory_GB_per_s": gbytes / fresh, "d2h_reused_pinned_GB_per_s": reused["d2h"],
+            "h2d_reused_pinned_GB_per_s": reused["h2d"]}
 
 
 if __name__ == "__main__":
