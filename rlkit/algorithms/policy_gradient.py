@@ -123,7 +123,8 @@ class PolicyGradientTrainer:
         self.kl_in_loss = self.algorithm.kl_in_loss(a)
         self.objective = PolicyGradient(ClippedPolicyLossConfig(
             a.clip_low, a.clip_high, a.kl_coef if self.kl_in_loss else 0.0, a.loss_aggregation))
-        self.sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, seed=cfg.run.seed)
+        self.sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, seed=cfg.run.seed,
+                                       ignore_eos=g.ignore_eos)
         self.policy.set_temperature(g.temperature or 1.0)
         self.minibatches = a.prompts_per_step * a.group_size // cfg.policy.train_global_batch_size
         self.lr = schedule_of(cfg.policy.optimizer, a.num_steps * self.minibatches)

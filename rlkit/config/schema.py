@@ -77,6 +77,7 @@ class GenerationConfig:
     temperature: float = MISSING
     top_p: float = MISSING
     top_k: int = MISSING
+    ignore_eos: bool = MISSING
     precision: str = MISSING
     vllm: Optional[VllmEngineConfig] = None
 

@@ -10,6 +10,7 @@ class SamplingParams:
     top_p: float
     top_k: int  # 0 disables
     seed: int
+    ignore_eos: bool = False  # sample all max_new_tokens (benchmarks fix the response length so)
 
 
 @dataclass

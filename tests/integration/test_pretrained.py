@@ -12,6 +12,7 @@ mapping error is off by far more: two heads swapped in one layer, 0.6 to 2.8; ro
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -141,3 +142,7 @@ def test_refit_gives_the_generation_worker_the_checkpoint_bit_for_bit(workers, s
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=0)
     answer, = workers.generation.generate([_prompt(tokenizer, CHATS[0][0])], greedy).token_ids
     assert answer[-1] == tokenizer.eos_token_id and "Paris" in tokenizer.decode(answer)
+    # generation.ignore_eos: the whole budget, the same answer up to where it stopped
+    longer, = workers.generation.generate([_prompt(tokenizer, CHATS[0][0])],
+                                          replace(greedy, ignore_eos=True)).token_ids
+    assert len(longer) == 16 and longer[:len(answer) - 1] == answer[:-1]

@@ -39,6 +39,7 @@ class HFGenerationWorker(GenerationWorker):
             input_ids=input_ids, attention_mask=attention, max_new_tokens=params.max_new_tokens,
             do_sample=not greedy, temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p, top_k=None if greedy else params.top_k,
+            min_new_tokens=params.max_new_tokens if params.ignore_eos else None,
             pad_token_id=self.pad_id, eos_token_id=self.eos_id, output_logits=True,
             return_dict_in_generate=True)
         new_tokens = out.sequences[:, width:]
@@ -47,7 +48,7 @@ class HFGenerationWorker(GenerationWorker):
         token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         token_ids, token_lps = [], []
         for ids, lps in zip(new_tokens.tolist(), token_logprobs.tolist()):
-            length = ids.index(self.eos_id) + 1 if self.eos_id in ids else len(ids)
+            length = ids.index(self.eos_id) + 1 if self.eos_id in ids and not params.ignore_eos else len(ids)
             token_ids.append(ids[:length])
             token_lps.append(lps[:length])
         return Generations(token_ids, token_lps)

@@ -72,7 +72,7 @@ class VLLMGenerationWorker(GenerationWorker):
         # engine sampled before, so a resumed run (a fresh engine) draws what the first one did
         sampling = [VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
                                        top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
-                                       logprobs=0, seed=(params.seed << 20) + i) for i in range(len(prompt_ids))]
+                                       logprobs=0, seed=(params.seed << 20) + i, ignore_eos=params.ignore_eos) for i in range(len(prompt_ids))]
         if self._prefix_cache_stale:  # cached KV was computed with the old weights
             self.llm.reset_prefix_cache()
             self._prefix_cache_stale = False
