@@ -2,6 +2,7 @@
 # rlkit's GPU work on a device machine prepared by ../shared/gpu (README "GPU development").
 #   bash scripts/gpu_session.sh tests|tests-of <s> <pytest args>|refit-tests|bench|bench-7b|refit-bench|refit-bench-512|all    logs and JSON land in $OUT
 #   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (layer by layer, and the recipe's), GRPO run
+#   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> [train_mfu.py args]    issue 16's benchmarks
 set -uo pipefail
 source /tmp/gpucarry/env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RLKIT_TEST_METRICS=${OUT:-/tmp/rlkit_out}/metrics
@@ -27,6 +28,9 @@ case "$1" in
   smollm2-train) smollm2; train_smollm2 "${2:-560}" "${@:3}" ;;
   tests) tests 560 ;;
   tests-of) tests "$2" "${*:3}" ;;  # tests-of <seconds> <pytest arguments...>
+  e2e) timeout "$2" python3 benchmarks/e2e.py --out "$OUT/e2e_$3.json" --model "${@:3}" 2>&1 | grep -v "^(\|Warn" \
+         | tee "$OUT/e2e_$3.log"; cp /tmp/rlkit_e2e/rlkit.log "$OUT/e2e_$3_rlkit.log" 2>/dev/null ;;  # e2e <s> <model> [args]
+  train-mfu) timeout "$2" python3 benchmarks/train_mfu.py --out "$OUT/train_mfu.json" "${@:3}" 2>&1 | tail -5 ;;
   refit-tests) tests 560 tests/gpu/test_vllm_refit.py ;;
   bench) generation; refit 1.5b 320 ;;
   refit-bench) refit 1.5b,7b 570 ;;

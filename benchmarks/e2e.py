@@ -1,0 +1,144 @@
+"""One GRPO workload, end to end, on rlkit (and on a peer, run after it on the same GPU): seconds
+per phase of the steady steps (the median over steps 2..N), the whole step, tokens/s, MFU, and how
+much of the step is not generation, logprob or training compute.
+
+    python3 benchmarks/e2e.py --model smollm2 --out e2e_smollm2.json
+    python3 benchmarks/e2e.py --model qwen3-1.7b --response-tokens 1024 --out e2e_1.7b.json
+    python3 benchmarks/e2e.py --model tiny --recipe grpo_tiny_cpu --steps 3 ...     (a CPU dry run)
+
+The workload is the same on both sides: the same model directory and prompts (rlkit's generated
+word problems), prompts x samples, a fixed response length (EOS ignored), micro-batch and
+optimizer settings. Phases, named alike for every framework:
+  generate      sampling the responses (rlkit: timing/generate)
+  logprobs      the policy's (and the reference's) logprobs of the rollout
+  train         the optimizer steps
+  weight_sync   refit plus the colocated hand-over: models to host and back, engines asleep/awake
+  other         the rest of the step (rewards, advantages, driver work)
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts_per_step: int = 64
+    group_size: int = 8
+    response_tokens: int = 512
+    max_prompt_tokens: int = 256
+    micro_batch_per_gpu: int = 64  # rows per forward/backward
+    train_global_batch: int = 256  # samples per optimizer step
+    lr: float = 1e-6
+    steps: int = 5
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = False  # False: vLLM captures CUDA graphs
+    kl_coef: float = 0.0
+
+
+# rlkit metric -> phase (several add up); the step is timing/step
+RLKIT_PHASES = {"generate": ["timing/generate"], "logprobs": ["timing/logprobs"], "train": ["timing/train"],
+                "weight_sync": ["timing/refit", "timing/reclaim"]}
+# reported beside the phases when the run logs them (medians over the same steps)
+RLKIT_FIGURES = ["perf/generate_tokens_per_s", "perf/logprobs_tokens_per_s", "perf/train_tokens_per_s",
+                 "perf/generate_mfu", "perf/logprobs_mfu", "perf/train_mfu", "memory/policy_peak_gb",
+                 "memory/policy_offloaded_gb", "timing/policy_sleep", "timing/policy_wake",
+                 "timing/policy_sleep_gbytes_per_s", "timing/policy_wake_gbytes_per_s",
+                 "timing/pinned_d2h_gbytes_per_s", "timing/pinned_h2d_gbytes_per_s", "timing/refit_transfer"]
+
+
+def rlkit_overrides(w: Workload, model_dir: Path, run_dir: Path, cache_dir: Path, vllm: bool) -> list[str]:
+    overrides = [
+        f"policy.model_path={model_dir}", f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}",
+        f"run.cache_dir={cache_dir}", f"algorithm.num_steps={w.steps}", f"algorithm.val_every={10 ** 6}",
+        "checkpoint.every=0", f"algorithm.prompts_per_step={w.prompts_per_step}",
+        f"algorithm.group_size={w.group_size}", f"algorithm.kl_coef={w.kl_coef}", "algorithm.warm_start.sft_steps=0",
+        f"generation.max_new_tokens={w.response_tokens}", "generation.ignore_eos=true", "generation.temperature=1.0",
+        f"env_runner.max_total_tokens={w.response_tokens}", f"data.max_prompt_tokens={w.max_prompt_tokens}",
+        "data.val_size=8", f"policy.micro_batch_size={w.micro_batch_per_gpu}",
+        f"policy.train_global_batch_size={w.train_global_batch}", f"policy.optimizer.lr={w.lr}",
+        "policy.optimizer.warmup_steps=0"]
+    if vllm:
+        overrides += [f"generation.vllm.max_model_len={w.max_prompt_tokens + w.response_tokens}",
+                      f"generation.vllm.gpu_memory_utilization={w.gpu_memory_utilization}",
+                      f"generation.vllm.enforce_eager={str(w.enforce_eager).lower()}"]
+    return overrides
+
+
+def run_rlkit(w: Workload, recipe: str, model_dir: Path, work_dir: Path, timeout_s: int, vllm: bool,
+              extra: list[str]) -> dict:
+    """rlkit's run of the workload: its phases per step and the figures it logs."""
+    run_dir = work_dir / "rlkit_run"
+    command = [sys.executable, "-m", "rlkit.cli", "train", "--config-name", recipe,
+               *rlkit_overrides(w, model_dir, run_dir, work_dir / "cache", vllm), *extra]
+    with open(work_dir / "rlkit.log", "w") as log:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=True, cwd=ROOT)
+    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m["step"] >= 1]
+    per_step = [{**{phase: sum(m.get(k, 0.0) for k in keys) for phase, keys in RLKIT_PHASES.items()},
+                 "step": m["timing/step"], **{k: m[k] for k in RLKIT_FIGURES if k in m}} for m in steps]
+    return {"command": " ".join(command[1:]), **summary(per_step)}
+
+
+def summary(per_step: list[dict]) -> dict:
+    """Medians over the steady steps (2..N: step 1 pays for compilation and first allocations),
+    `other` = step minus the named phases, and the share of the step outside model compute."""
+    steady = per_step[1:] or per_step
+    medians = {k: statistics.median(s[k] for s in steady) for k in steady[0]}
+    medians["other"] = medians["step"] - sum(medians[p] for p in ("generate", "logprobs", "train", "weight_sync"))
+    compute = medians["generate"] + medians["logprobs"] + medians["train"]
+    return {"steps": per_step, "median": medians, "outside_compute_fraction": 1 - compute / medians["step"]}
+
+
+def model_dir_for(name: str, cache_dir: Path) -> Path:
+    if name == "smollm2":
+        from rlkit.models.pretrained import smollm2_135m_instruct
+        return smollm2_135m_instruct(cache_dir / "models")
+    if name == "qwen3-1.7b":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from common import qwen3_checkpoint
+        return qwen3_checkpoint("1.5b", cache_dir / "models")
+    if name == "tiny":
+        from rlkit.launch.config import load_config
+        from rlkit.models.resolve import resolve_model_dir
+        cfg, _ = load_config("grpo_tiny_cpu", [f"run.cache_dir={cache_dir}"])
+        return resolve_model_dir(cfg)
+    raise SystemExit(f"--model: one of smollm2, qwen3-1.7b, tiny (got: {name})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", help="smollm2 | qwen3-1.7b (random, Qwen3-1.7B's shape) | tiny")
+    parser.add_argument("--recipe", default="grpo_smollm2_gpu", help="the rlkit recipe the workload overrides")
+    parser.add_argument("--work-dir", default="/tmp/rlkit_e2e")
+    parser.add_argument("--out", required=True, help="JSON with both frameworks' phases and the ratios")
+    parser.add_argument("--timeout", type=int, default=540, help="seconds per framework")
+    parser.add_argument("--rlkit-overrides", nargs="*", default=[], help="extra rlkit key=value (e.g. policy.offload=none)")
+    for field, value in asdict(Workload()).items():
+        parser.add_argument(f"--{field.replace('_', '-')}", type=type(value) if not isinstance(value, bool)
+                            else lambda s: s.lower() == "true", default=value)
+    args = parser.parse_args()
+    workload = Workload(**{f: getattr(args, f) for f in asdict(Workload())})
+    work_dir = Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = model_dir_for(args.model, work_dir / "cache")
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {"machine": device, "model": args.model, "workload": asdict(workload),
+              "rlkit": run_rlkit(workload, args.recipe, model_dir, work_dir, args.timeout,
+                                 vllm=torch.cuda.is_available(), extra=args.rlkit_overrides)}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    m = result["rlkit"]["median"]
+    print("rlkit " + " ".join(f"{k} {v:.3g}" for k, v in m.items()) +
+          f" | outside compute {result['rlkit']['outside_compute_fraction']:.1%}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
