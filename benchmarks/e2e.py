@@ -62,7 +62,7 @@ def rlkit_overrides(w: Workload, model_dir: Path, run_dir: Path, cache_dir: Path
         f"algorithm.group_size={w.group_size}", f"algorithm.kl_coef={w.kl_coef}", "algorithm.warm_start.sft_steps=0",
         f"generation.max_new_tokens={w.response_tokens}", "generation.ignore_eos=true", "generation.temperature=1.0",
         f"env_runner.max_total_tokens={w.response_tokens}", f"data.max_prompt_tokens={w.max_prompt_tokens}",
-        "data.val_size=8", f"policy.micro_batch_size={w.micro_batch_per_gpu}",
+        "data.val_size=8", f"policy.micro_batch_size={w.micro_batch_per_gpu}", "policy.max_tokens_per_microbatch=0",
         f"policy.train_global_batch_size={w.train_global_batch}", f"policy.optimizer.lr={w.lr}",
         "policy.optimizer.warmup_steps=0"]
     if vllm:
