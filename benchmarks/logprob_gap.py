@@ -5,8 +5,8 @@ The recipe's model (SmolLM2-135M-Instruct) and its held-out prompts; one GPU, no
     T=1 and at the recipe's temperature, then prefills the T=1 conversations again (prompt
     logprobs): decode vs prefill is vLLM's own share of the gap;
   - Megatron built by rlkit's bridge scores the same tokens in bf16 with each core attention
-    (megatron-core's DotProductAttention, which rlkit builds without TransformerEngine, and the
-    candidate SDPAttention below; same weights), and in fp32 as the reference;
+    (policy.attention_backend local: megatron-core's DotProductAttention, and sdpa: rlkit's
+    SDPAttention; same weights), and in fp32 as the reference;
   - for a few conversations, the residual stream after every decoder layer, from vLLM's prefill
     and from each Megatron build, as relative RMS distances to the fp32 reference and to each
     other.
@@ -21,8 +21,6 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.nn.functional as F
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from rlkit.launch.config import load_config
 
@@ -40,20 +38,6 @@ def _agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-class SDPAttention(DotProductAttention):
-    """The candidate: causal attention through torch's SDPA, whose flash kernel keeps the scores
-    and the softmax in fp32 as vLLM's FlashAttention does. megatron-core's DotProductAttention
-    writes the [b, n, s, s] scores in bf16 before its fp32 softmax. Inference only, no mask."""
-
-    def forward(self, query, key, value, attention_mask, *args, **kwargs):
-        seq, batch, repeats = query.shape[0], query.shape[1], query.shape[2] // key.shape[2]
-        # [s, b, n, d] -> [b, n, s, d], each KV head repeated for its query heads (GQA)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key.repeat_interleave(repeats, dim=2),
-                                                    value.repeat_interleave(repeats, dim=2)))
-        context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # [s, b, n * d]
 
 
 class Vllm:
@@ -116,20 +100,15 @@ class Vllm:
 class Megatron:
     """The policy's model as rlkit's bridge builds it, in this process (TP=PP=1)."""
 
-    def __init__(self, model_dir: str, bf16: bool, fp32_lm_head: bool):
+    def __init__(self, model_dir: str, bf16: bool, fp32_lm_head: bool, attention_backend: str):
         from rlkit.bridge import ModelBridge
 
-        self.bridge = ModelBridge(model_dir, torch.bfloat16 if bf16 else torch.float32)
+        self.bridge = ModelBridge(model_dir, torch.bfloat16 if bf16 else torch.float32, attention_backend)
         self.model = self.bridge.build(bf16=bf16, wrap_with_ddp=False, fp32_lm_head=fp32_lm_head)
         self.bridge.load_hf_weights(self.model)
         self.module = self.model[0]  # bf16: inside Float16Module, whose forward casts the output
         self.module.eval()
         self.layers = getattr(self.module, "module", self.module).decoder.layers
-
-    def use_attention(self, cls):
-        """Swap every layer's core attention class (same parameters: none)."""
-        for layer in self.layers:
-            layer.self_attention.core_attention.__class__ = cls
 
     @torch.no_grad()
     def logits(self, sequence: list[int]) -> torch.Tensor:
@@ -206,12 +185,12 @@ def main():
 
     _init_megatron()
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference is fp32 throughout
-    reference = Megatron(model_dir, bf16=False, fp32_lm_head=False)
-    policy = Megatron(model_dir, bf16=True, fp32_lm_head=cfg.policy.fp32_lm_head)
-    builds = [("megatron_fp32", reference, SDPAttention),
-              ("megatron_bf16_dot_product", policy, DotProductAttention), ("megatron_bf16_sdpa", policy, SDPAttention)]
-    for name, engine, attention in builds:
-        engine.use_attention(attention)
+    policy = Megatron(model_dir, bf16=True, fp32_lm_head=cfg.policy.fp32_lm_head, attention_backend="sdpa")
+    builds = [("megatron_fp32", Megatron(model_dir, bf16=False, fp32_lm_head=False, attention_backend="sdpa")),
+              ("megatron_bf16_dot_product", Megatron(model_dir, bf16=True, fp32_lm_head=cfg.policy.fp32_lm_head,
+                                                     attention_backend="local")),
+              ("megatron_bf16_sdpa", policy)]
+    for name, engine in builds:
         for t, rows in samples.items():
             scored[name, t] = torch.cat([engine.token_logprobs(s, t)[n - 1:] for n, s, _ in rows])
 
@@ -233,8 +212,7 @@ def main():
                   f"token_mult_prob_error {m['token_mult_prob_error']:.4f}", flush=True)
     # the residual stream after each layer: vLLM's prefill, then each Megatron build
     streams = {"vllm_prefill": [vllm.residual_streams(s) for s in layer_sequences]}
-    for name, engine, attention in builds:
-        engine.use_attention(attention)
+    for name, engine in builds:
         streams[name] = [engine.residual_streams(s) for s in layer_sequences]
     names = list(streams)
     for i, a in enumerate(names):

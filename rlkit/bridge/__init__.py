@@ -4,11 +4,14 @@ stream HF-named tensors back out. The rest of rlkit sees only `ModelBridge`."""
 import importlib.util
 import inspect
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator
 
 import torch
 
 _patched = set()
+# policy.attention_backend: torch SDPA (sdpa_attention.py) or Megatron's unfused DotProductAttention
+ATTENTION_BACKENDS = ("sdpa", "local")
 
 
 def _isolate_name_tables():
@@ -29,19 +32,13 @@ def _isolate_name_tables():
     _patched.add("name_tables")
 
 
-def _use_local_layer_spec():
-    """Without TransformerEngine, mbridge 0.15.1 still builds TE layer specs (NameError: TENorm)
-    and its name tables only know TE's fused layernorm names. Build the pure-torch spec and
-    translate its layernorm names to the fused ones before mbridge maps them to HF."""
-    if "local_spec" in _patched:
+def _local_names_to_hf():
+    """Without TransformerEngine, mbridge 0.15.1's name tables only know TE's fused layernorm
+    names: translate the local spec's layernorm names to the fused ones before mbridge maps them
+    to HF."""
+    if "local_names" in _patched:
         return
     from mbridge.core.bridge import Bridge
-    from mbridge.core.llm_bridge import LLMBridge
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    def local_spec(self, vp_stage=None):
-        kwargs = {"vp_stage": vp_stage} if "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters else {}
-        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, **kwargs)
 
     to_hf = Bridge._weight_name_mapping_mcore_to_hf
 
@@ -50,22 +47,33 @@ def _use_local_layer_spec():
         name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
         return to_hf(self, name)
 
-    LLMBridge._get_transformer_layer_spec = local_spec
     Bridge._weight_name_mapping_mcore_to_hf = fused_names_to_hf
-    _patched.add("local_spec")
+    _patched.add("local_names")
+
+
+def _local_layer_spec(bridge, core_attention: type, vp_stage=None):
+    """Without TransformerEngine, mbridge 0.15.1 still builds TE layer specs (NameError: TENorm):
+    build Megatron's pure-torch spec instead, with `core_attention` in every layer's attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    kwargs = {"vp_stage": vp_stage} if "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters else {}
+    spec = get_gpt_decoder_block_spec(bridge.config, use_transformer_engine=False, **kwargs)
+    for layer in spec.layer_specs:  # built fresh by each call: nothing shared to change
+        layer.submodules.self_attention.submodules.core_attention = core_attention
+    return spec
 
 
 class ModelBridge:
     """One HF checkpoint directory seen as Megatron model chunks. Create it after
-    megatron's parallel_state is initialized: the bridge reads TP/PP/EP from it."""
+    megatron's parallel_state is initialized: the bridge reads TP/PP/EP from it.
+    attention_backend (one of ATTENTION_BACKENDS) is the core attention of every model it builds
+    where TransformerEngine is not installed; with it, mbridge's TE spec brings TE's attention."""
 
-    def __init__(self, hf_dir: str, params_dtype: torch.dtype):
+    def __init__(self, hf_dir: str, params_dtype: torch.dtype, attention_backend: str):
         from mbridge import AutoBridge
         from transformers import AutoConfig
 
         _isolate_name_tables()
-        if importlib.util.find_spec("transformer_engine") is None:
-            _use_local_layer_spec()
         self.hf_dir = str(hf_dir)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
         if not hasattr(self.hf_config, "rope_theta"):  # transformers 5 moved it into rope_parameters
@@ -80,6 +88,15 @@ class ModelBridge:
                                     # micro-batches are cut to their longest row (rlkit/data/micro_batches.py):
                                     # pipeline stages exchange each one's shape
                                     variable_seq_lengths=True)
+        if importlib.util.find_spec("transformer_engine") is None:
+            from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+            from rlkit.bridge.sdpa_attention import SDPAttention
+
+            _local_names_to_hf()
+            core_attention = {"sdpa": SDPAttention, "local": DotProductAttention}[attention_backend]
+            # this bridge's own spec, so two models in one process may use different attention
+            self._bridge._get_transformer_layer_spec = partial(_local_layer_spec, self._bridge, core_attention)
 
     @property
     def transformer_config(self):

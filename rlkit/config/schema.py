@@ -56,6 +56,7 @@ class PolicyConfig:
     train_global_batch_size: int = MISSING
     precision: str = MISSING
     fp32_lm_head: bool = MISSING
+    attention_backend: str = MISSING
     use_distributed_optimizer: bool = MISSING
     offload: str = MISSING
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

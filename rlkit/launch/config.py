@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from rlkit.algorithms.lr_schedule import SCHEDULES, check_learning_rate
 from rlkit.algorithms.registry import load_algorithm
+from rlkit.bridge import ATTENTION_BACKENDS
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
 from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PromptDataConfig, RootConfig
@@ -128,6 +129,7 @@ def validate(cfg: RootConfig) -> None:
     algorithm = load_algorithm(a.name)
     _choice("cluster.placement", cfg.cluster.placement, PLACEMENTS)
     _choice("policy.precision", p.precision, ("fp32", "bf16"))
+    _choice("policy.attention_backend", p.attention_backend, ATTENTION_BACKENDS)
     if algorithm.rollouts:
         _validate_rollout_choices(cfg)
     if cfg.data.name != algorithm.data:

@@ -39,8 +39,9 @@ def _policy_logprobs(make_cfg, model_dir, batch, overrides):
 
 @pytest.mark.parametrize("layout", [["policy.num_workers=1"],
                                     ["policy.num_workers=2", "policy.tensor_parallel_size=2"],
-                                    ["policy.num_workers=2", "policy.pipeline_parallel_size=2"]],
-                         ids=["tp1", "tp2", "pp2"])
+                                    ["policy.num_workers=2", "policy.pipeline_parallel_size=2"],
+                                    ["policy.num_workers=1", "policy.attention_backend=local"]],
+                         ids=["tp1", "tp2", "pp2", "tp1-local-attention"])
 def test_logprobs_match_hf(ray_cluster, make_cfg, tiny_qwen2, sequences, layout):
     reference = _hf_logprobs(tiny_qwen2, sequences["input_ids"])
     overrides = [*layout, "policy.micro_batch_size=4", "policy.train_global_batch_size=128",
