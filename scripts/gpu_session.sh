@@ -3,6 +3,7 @@
 #   bash scripts/gpu_session.sh tests|tests-of <s> <pytest args>|refit-tests|bench|bench-7b|refit-bench|refit-bench-512|all    logs and JSON land in $OUT
 #   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (layer by layer, and the recipe's), GRPO run
 #   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> [train_mfu.py args]    issue 16's benchmarks
+#   bash scripts/gpu_session.sh e2e-verl [seconds] [e2e_verl.py args]    verl 0.9.1 on SmolLM2 from /tmp/site-verl (scripts/verl_stack.sh)
 set -uo pipefail
 source /tmp/gpucarry/env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RLKIT_TEST_METRICS=${OUT:-/tmp/rlkit_out}/metrics
@@ -23,9 +24,15 @@ train_smollm2() {  # resumes from its last checkpoint when a call before was cut
   timeout "$1" python3 -m rlkit.cli train --config-name grpo_smollm2_gpu "${@:2}" 2>&1 | tee -a "$OUT/smollm2_train.log" | grep -v "^(\|Warn"
   cp -r outputs/grpo_smollm2_gpu/metrics.jsonl outputs/grpo_smollm2_gpu/plots "$OUT/" 2>/dev/null
 }
+e2e_verl() {  # the driver runs in rlkit's environment; verl in a subprocess on its own install only
+  timeout "$1" python3 benchmarks/e2e_verl.py --model "$(cat "$OUT/smollm2_path.txt")" --site /tmp/site-verl \
+    --work /tmp/e2e_verl --out "$OUT/e2e_verl.json" --timeout $(( $1 - 30 )) "${@:2}" 2>&1 | tee "$OUT/e2e_verl.log" | tail -3
+  cp /tmp/e2e_verl/verl.log "$OUT/verl_run.log" 2>/dev/null
+}
 case "$1" in
   smollm2-gap) smollm2; gap ;;
   smollm2-train) smollm2; train_smollm2 "${2:-560}" "${@:3}" ;;
+  e2e-verl) smollm2; e2e_verl "${2:-480}" "${@:3}" ;;
   tests) tests 560 ;;
   tests-of) tests "$2" "${*:3}" ;;  # tests-of <seconds> <pytest arguments...>
   e2e) timeout "$2" python3 benchmarks/e2e.py --out "$OUT/e2e_$3.json" --model "${@:3}" 2>&1 | grep -v "^(\|Warn" \
