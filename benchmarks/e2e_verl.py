@@ -179,6 +179,9 @@ def verl_overrides(w: VerlWorkload, model_dir: Path, data_dir: Path, work_dir: P
         "actor_rollout_ref.rollout.free_cache_engine=true",
         f"actor_rollout_ref.rollout.max_model_len={w.max_prompt_tokens + w.response_tokens}",
         f"actor_rollout_ref.rollout.enforce_eager={str(w.enforce_eager).lower()}",
+        # the engine limits rlkit's vLLM runs with: vLLM's own defaults for its LLM class on an H100/H200
+        # (vllm/engine/arg_utils.py get_batch_defaults); verl's rollout config would set 256 and 8192
+        "actor_rollout_ref.rollout.max_num_seqs=1024", "actor_rollout_ref.rollout.max_num_batched_tokens=16384",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.rollout.agent.num_workers={agent_workers}",
         f"reward.custom_reward_function.path={HERE / 'verl_reward.py'}",
@@ -254,16 +257,16 @@ def median_phases(steps: list[dict], skip: int = 1) -> dict[str, float]:
 # --- running verl ------------------------------------------------------------------------------------
 
 def prepare(w: VerlWorkload, model_dir: Path, work_dir: Path, prompts_jsonl: Path, prompt_data, agent_workers: int,
-            poll_interval_s: float | None) -> list[str]:
+            poll_interval_s: float | None, extra_overrides: list[str]) -> list[str]:
     """Writes the data under work_dir/data (checking verl renders rlkit's prompt tokens) and
-    returns verl's overrides."""
+    returns verl's overrides, extra_overrides last (a later value for the same key wins)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = rlkit_prompts(prompts_jsonl, prompt_data, w.max_prompt_tokens, tokenizer)
     check_same_prompts(prompts, tokenizer)
     write_verl_data(prompts, work_dir / "data")
-    return verl_overrides(w, model_dir, work_dir / "data", work_dir, agent_workers, poll_interval_s)
+    return verl_overrides(w, model_dir, work_dir / "data", work_dir, agent_workers, poll_interval_s) + extra_overrides
 
 
 def _run_logged(command: list[str], env: dict, cwd: Path, log: Path, timeout_s: int):
@@ -303,15 +306,18 @@ def _run_logged(command: list[str], env: dict, cwd: Path, log: Path, timeout_s: 
 
 
 def run_verl(workload: VerlWorkload, model_dir: Path, work_dir: Path, site_dir: str, timeout_s: int, *,
-             prompts_jsonl: Path, prompt_data, agent_workers: int = 1, poll_interval_s: float | None = None) -> dict:
+             prompts_jsonl: Path, prompt_data, agent_workers: int = 1, poll_interval_s: float | None = None,
+             extra_overrides: list[str] = ()) -> dict:
     """One verl GRPO run of the workload; its steps as phases (seconds) and verl's raw metrics.
 
     prompt_data: the rlkit run's data config (PromptDataConfig). agent_workers: verl's agent-loop
-    workers (1 starts fastest). poll_interval_s: None keeps verl's 2 s rollout poll (verl_poll.py)."""
+    workers (1 starts fastest). poll_interval_s: None keeps verl's 2 s rollout poll (verl_poll.py).
+    extra_overrides: more Hydra overrides for verl, e.g. its own engine limits back. The result's
+    to_first_step_s is from launch to step 1's start (its line's arrival less its timing_s/step)."""
     work_dir = Path(work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     overrides = prepare(workload, Path(model_dir).resolve(), work_dir, Path(prompts_jsonl), prompt_data, agent_workers,
-                        poll_interval_s)
+                        poll_interval_s, list(extra_overrides))
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     log = work_dir / "verl.log"
     started = time.monotonic()
@@ -327,13 +333,13 @@ def run_verl(workload: VerlWorkload, model_dir: Path, work_dir: Path, site_dir: 
 
 
 def dry_run_verl(workload: VerlWorkload, model_dir: Path, work_dir: Path, site_dir: str, timeout_s: int, *,
-                 prompts_jsonl: Path, prompt_data, agent_workers: int = 1,
-                 poll_interval_s: float | None = None) -> None:
+                 prompts_jsonl: Path, prompt_data, agent_workers: int = 1, poll_interval_s: float | None = None,
+                 extra_overrides: list[str] = ()) -> None:
     """run_verl up to Ray's start: verl_check.py runs verl's config, data, prompt and reward code."""
     work_dir = Path(work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     overrides = prepare(workload, Path(model_dir).resolve(), work_dir, Path(prompts_jsonl), prompt_data, agent_workers,
-                        poll_interval_s)
+                        poll_interval_s, list(extra_overrides))
     command = [sys.executable, str(HERE / "verl_check.py"), str(work_dir / "data" / "expected_ids.jsonl"), *overrides]
     subprocess.run(command, env=verl_env(site_dir, dict(os.environ)), cwd=work_dir, timeout=timeout_s, check=True)
 
@@ -351,6 +357,7 @@ def main():
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--agent-workers", type=int, default=1)
     p.add_argument("--poll-interval", type=float, default=None, help="seconds; default verl's own 2 s")
+    p.add_argument("--override", action="append", default=[], help="a Hydra override for verl (repeatable)")
     p.add_argument("--prompts-per-step", type=int, default=64)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--response-tokens", type=int, default=128)
@@ -375,7 +382,7 @@ def main():
                             a.train_global_batch, a.lr, a.steps, a.gpu_memory_utilization, not a.cuda_graphs, a.kl_coef)
     run = dry_run_verl if a.dry_run else run_verl
     result = run(workload, Path(a.model), Path(a.work), a.site, a.timeout, prompts_jsonl=prompts, prompt_data=data,
-                 agent_workers=a.agent_workers, poll_interval_s=a.poll_interval)
+                 agent_workers=a.agent_workers, poll_interval_s=a.poll_interval, extra_overrides=a.override)
     if result is not None:
         result["workload"] = dataclasses.asdict(workload)
         print(json.dumps({k: result[k] for k in ("returncode", "timed_out", "wall_s", "to_first_step_s", "median")}))

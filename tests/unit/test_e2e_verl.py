@@ -214,8 +214,10 @@ def test_run_verl_reports_each_step(tmp_path, model_dir):
     write_jsonl(tmp_path / "rows.jsonl", ROWS)
     site = fake_verl(tmp_path / "site")
     result = e2e_verl.run_verl(workload(max_prompt_tokens=1024), model_dir, tmp_path / "work", site, 60,
-                               prompts_jsonl=tmp_path / "rows.jsonl", prompt_data=prompt_data())
+                               prompts_jsonl=tmp_path / "rows.jsonl", prompt_data=prompt_data(),
+                               extra_overrides=["actor_rollout_ref.rollout.max_num_seqs=256"])
     assert (result["returncode"], result["timed_out"]) == (0, False)
+    assert result["command"][-1] == "actor_rollout_ref.rollout.max_num_seqs=256"  # last: it wins in Hydra
     assert [s["step"] for s in result["steps"]] == [1, 2] and result["median"]["train"] == pytest.approx(4.5121)
     assert "timing_s/step:13.1042" in Path(result["log"]).read_text()
 
