@@ -27,6 +27,7 @@ a slow one (over a session's 30: then carry verl's set on a later, faster day).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -270,9 +272,10 @@ def prepare(w: VerlWorkload, model_dir: Path, work_dir: Path, prompts_jsonl: Pat
 
 
 def _run_logged(command: list[str], env: dict, cwd: Path, log: Path, timeout_s: int):
-    """Runs command with its output in log; returns (returncode, timed_out, [(seconds since start,
-    step, metrics)] of each step line). On timeout its process group is stopped (Ray's processes
-    share the driver's fate)."""
+    """Runs command in a process group of its own with its output in log; returns (returncode,
+    timed_out, [(seconds since start, step, metrics)] of each step line). Past timeout_s the group is
+    stopped; after the command ends, whatever of its group is left (Ray's or vLLM's processes) is
+    killed, so that the GPU is free for what runs next."""
     start, seen = time.monotonic(), []
     with open(log, "w") as out:
         proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -295,19 +298,25 @@ def _run_logged(command: list[str], env: dict, cwd: Path, log: Path, timeout_s: 
         except subprocess.TimeoutExpired:
             timed_out = True
             for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+                _signal_group(proc.pid, sig)
                 try:
-                    os.killpg(proc.pid, sig)
                     proc.wait(timeout=grace)
                     break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
+                except subprocess.TimeoutExpired:
+                    pass
+        _signal_group(proc.pid, signal.SIGKILL)
         reader.join(timeout=10)
     return proc.returncode, timed_out, seen
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
 def run_verl(workload: VerlWorkload, model_dir: Path, work_dir: Path, site_dir: str, timeout_s: int, *,
              prompts_jsonl: Path, prompt_data, agent_workers: int = 1, poll_interval_s: float | None = None,
-             extra_overrides: list[str] = ()) -> dict:
+             extra_overrides: Sequence[str] = ()) -> dict:
     """One verl GRPO run of the workload; its steps as phases (seconds) and verl's raw metrics.
 
     prompt_data: the rlkit run's data config (PromptDataConfig). agent_workers: verl's agent-loop
@@ -334,7 +343,7 @@ def run_verl(workload: VerlWorkload, model_dir: Path, work_dir: Path, site_dir: 
 
 def dry_run_verl(workload: VerlWorkload, model_dir: Path, work_dir: Path, site_dir: str, timeout_s: int, *,
                  prompts_jsonl: Path, prompt_data, agent_workers: int = 1, poll_interval_s: float | None = None,
-                 extra_overrides: list[str] = ()) -> None:
+                 extra_overrides: Sequence[str] = ()) -> None:
     """run_verl up to Ray's start: verl_check.py runs verl's config, data, prompt and reward code."""
     work_dir = Path(work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -239,3 +239,13 @@ def test_a_run_past_its_limit_is_stopped(tmp_path):
     returncode, timed_out, seen = e2e_verl._run_logged([sys.executable, "-c", code], {"PATH": "/usr/bin"}, tmp_path,
                                                        log, timeout_s=3)
     assert timed_out and returncode != 0 and [step for _, step, _ in seen] == [3]
+
+
+def test_processes_left_behind_by_the_run_are_stopped(tmp_path):
+    log = tmp_path / "log"
+    code = "import subprocess; print(subprocess.Popen(['sleep', '60']).pid, flush=True)"
+    returncode, timed_out, _ = e2e_verl._run_logged([sys.executable, "-c", code], {"PATH": "/usr/bin:/bin"}, tmp_path,
+                                                    log, timeout_s=30)
+    assert (returncode, timed_out) == (0, False)
+    stat = Path(f"/proc/{int(log.read_text())}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] in "ZX"  # gone, or a zombie its new parent has not reaped
