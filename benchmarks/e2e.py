@@ -19,6 +19,7 @@ optimizer settings. Phases, named alike for every framework:
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,7 @@ class Workload:
     group_size: int = 8
     response_tokens: int = 512
     max_prompt_tokens: int = 256
-    micro_batch_per_gpu: int = 64  # rows per forward/backward
+    micro_batch_per_gpu: int = 16  # rows per forward/backward (64 x 768 tokens of fp32 logits over a 49k vocab: out of memory)
     train_global_batch: int = 256  # samples per optimizer step
     lr: float = 1e-6
     steps: int = 5
@@ -76,6 +77,7 @@ def run_rlkit(w: Workload, recipe: str, model_dir: Path, work_dir: Path, timeout
               extra: list[str]) -> dict:
     """rlkit's run of the workload: its phases per step and the figures it logs."""
     run_dir = work_dir / "rlkit_run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a finished run there would only say so
     command = [sys.executable, "-m", "rlkit.cli", "train", "--config-name", recipe,
                *rlkit_overrides(w, model_dir, run_dir, work_dir / "cache", vllm), *extra]
     with open(work_dir / "rlkit.log", "w") as log:
@@ -99,7 +101,7 @@ def summary(per_step: list[dict]) -> dict:
 def model_dir_for(name: str, cache_dir: Path) -> Path:
     if name == "smollm2":
         from rlkit.models.pretrained import smollm2_135m_instruct
-        return smollm2_135m_instruct(cache_dir / "models")
+        return smollm2_135m_instruct(cache_dir)
     if name == "qwen3-1.7b":
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from common import qwen3_checkpoint
@@ -120,6 +122,7 @@ def main():
     parser.add_argument("--out", required=True, help="JSON with both frameworks' phases and the ratios")
     parser.add_argument("--timeout", type=int, default=540, help="seconds per framework")
     parser.add_argument("--rlkit-overrides", nargs="*", default=[], help="extra rlkit key=value (e.g. policy.offload=none)")
+    parser.add_argument("--compare", help="a peer's result (benchmarks/e2e_verl.py --out): add it and the ratios")
     for field, value in asdict(Workload()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(value) if not isinstance(value, bool)
                             else lambda s: s.lower() == "true", default=value)
@@ -133,6 +136,11 @@ def main():
     result = {"machine": device, "model": args.model, "workload": asdict(workload),
               "rlkit": run_rlkit(workload, args.recipe, model_dir, work_dir, args.timeout,
                                  vllm=torch.cuda.is_available(), extra=args.rlkit_overrides)}
+    if args.compare:
+        peer = json.loads(Path(args.compare).read_text())
+        result["peer"] = peer
+        result["ratio_rlkit_over_peer"] = {k: result["rlkit"]["median"][k] / v for k, v in peer["median"].items()
+                                           if v and k in result["rlkit"]["median"]}
     Path(args.out).write_text(json.dumps(result, indent=1))
     m = result["rlkit"]["median"]
     print("rlkit " + " ".join(f"{k} {v:.3g}" for k, v in m.items()) +

@@ -44,6 +44,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from e2e import Workload  # noqa: E402
 from verl_reward import final_answer  # noqa: E402
 
 DATA_SOURCE = "rlkit_word_problems"
@@ -63,24 +64,6 @@ REQUIRED_TIMERS = ("step", "gen", "old_log_prob", "update_actor", "update_weight
 _STEP_LINE = re.compile(r"(?:^|[\s)])step:(\d+) - (.*)$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class VerlWorkload:
-    """The workload fields this module reads. run_verl takes any object with them, such as
-    benchmarks/e2e.py's workload; this class serves the command line."""
-
-    prompts_per_step: int  # verl data.train_batch_size
-    group_size: int  # samples per prompt: rollout.n
-    response_tokens: int  # every response is exactly this long (rollout.ignore_eos)
-    max_prompt_tokens: int  # longer prompts are dropped, as rlkit drops them
-    micro_batch_per_gpu: int  # sequences per forward/backward
-    train_global_batch: int  # samples per optimizer step
-    lr: float
-    steps: int
-    gpu_memory_utilization: float
-    enforce_eager: bool
-    kl_coef: float  # 0: no reference model and no KL loss
 
 
 # --- prompts and data ----------------------------------------------------------------------------
@@ -145,7 +128,7 @@ def write_verl_data(prompts: list, out_dir: Path, val_rows: int = 8) -> tuple[Pa
 
 # --- verl's command line --------------------------------------------------------------------------
 
-def verl_overrides(w: VerlWorkload, model_dir: Path, data_dir: Path, work_dir: Path, agent_workers: int,
+def verl_overrides(w: Workload, model_dir: Path, data_dir: Path, work_dir: Path, agent_workers: int,
                    poll_interval_s: float | None) -> list[str]:
     """Hydra overrides of verl's ppo_trainer config for the workload: GRPO as rlkit runs it
     (clip 0.2/0.28, token-mean, std-normalized advantages, k3 KL loss when kl_coef > 0), fixed-length
@@ -258,7 +241,7 @@ def median_phases(steps: list[dict], skip: int = 1) -> dict[str, float]:
 
 # --- running verl ------------------------------------------------------------------------------------
 
-def prepare(w: VerlWorkload, model_dir: Path, work_dir: Path, prompts_jsonl: Path, prompt_data, agent_workers: int,
+def prepare(w: Workload, model_dir: Path, work_dir: Path, prompts_jsonl: Path, prompt_data, agent_workers: int,
             poll_interval_s: float | None, extra_overrides: list[str]) -> list[str]:
     """Writes the data under work_dir/data (checking verl renders rlkit's prompt tokens) and
     returns verl's overrides, extra_overrides last (a later value for the same key wins)."""
@@ -314,7 +297,7 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def run_verl(workload: VerlWorkload, model_dir: Path, work_dir: Path, site_dir: str, timeout_s: int, *,
+def run_verl(workload: Workload, model_dir: Path, work_dir: Path, site_dir: str, timeout_s: int, *,
              prompts_jsonl: Path, prompt_data, agent_workers: int = 1, poll_interval_s: float | None = None,
              extra_overrides: Sequence[str] = ()) -> dict:
     """One verl GRPO run of the workload; its steps as phases (seconds) and verl's raw metrics.
@@ -341,7 +324,7 @@ def run_verl(workload: VerlWorkload, model_dir: Path, work_dir: Path, site_dir: 
             "median": median_phases(steps), "steps": steps, "log": str(log), "command": command}
 
 
-def dry_run_verl(workload: VerlWorkload, model_dir: Path, work_dir: Path, site_dir: str, timeout_s: int, *,
+def dry_run_verl(workload: Workload, model_dir: Path, work_dir: Path, site_dir: str, timeout_s: int, *,
                  prompts_jsonl: Path, prompt_data, agent_workers: int = 1, poll_interval_s: float | None = None,
                  extra_overrides: Sequence[str] = ()) -> None:
     """run_verl up to Ray's start: verl_check.py runs verl's config, data, prompt and reward code."""
@@ -367,17 +350,8 @@ def main():
     p.add_argument("--agent-workers", type=int, default=1)
     p.add_argument("--poll-interval", type=float, default=None, help="seconds; default verl's own 2 s")
     p.add_argument("--override", action="append", default=[], help="a Hydra override for verl (repeatable)")
-    p.add_argument("--prompts-per-step", type=int, default=64)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--response-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-tokens", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=32)
-    p.add_argument("--train-global-batch", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    p.add_argument("--cuda-graphs", action="store_true", help="vLLM with CUDA graphs (default: eager)")
-    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--like", help="the workload of this rlkit result (benchmarks/e2e.py --out JSON); default: "
+                                  "benchmarks/e2e.py's Workload defaults")
     a = p.parse_args()
     from rlkit.data.arithmetic import synthetic_splits
     from rlkit.data.files import write_jsonl
@@ -387,8 +361,7 @@ def main():
     prompts = Path(a.prompts or data.train_path)
     if not prompts.is_file():
         write_jsonl(prompts, synthetic_splits(data.synthetic)[0])
-    workload = VerlWorkload(a.prompts_per_step, a.group_size, a.response_tokens, a.max_prompt_tokens, a.micro_batch,
-                            a.train_global_batch, a.lr, a.steps, a.gpu_memory_utilization, not a.cuda_graphs, a.kl_coef)
+    workload = Workload(**json.loads(Path(a.like).read_text())["workload"]) if a.like else Workload()
     run = dry_run_verl if a.dry_run else run_verl
     result = run(workload, Path(a.model), Path(a.work), a.site, a.timeout, prompts_jsonl=prompts, prompt_data=data,
                  agent_workers=a.agent_workers, poll_interval_s=a.poll_interval, extra_overrides=a.override)

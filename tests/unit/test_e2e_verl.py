@@ -89,10 +89,10 @@ def test_final_answer_takes_the_hashes_first():
     assert final_answer("no hashes: 4 then -5") == -5.0 and final_answer("####") is None
 
 
-def workload(**changes) -> e2e_verl.VerlWorkload:
+def workload(**changes) -> e2e_verl.Workload:
     base = dict(prompts_per_step=64, group_size=8, response_tokens=128, max_prompt_tokens=96, micro_batch_per_gpu=32,
                 train_global_batch=256, lr=1e-5, steps=3, gpu_memory_utilization=0.3, enforce_eager=True, kl_coef=0.0)
-    return e2e_verl.VerlWorkload(**{**base, **changes})
+    return e2e_verl.Workload(**{**base, **changes})
 
 
 def test_overrides_carry_the_workload(tmp_path):
