@@ -48,8 +48,8 @@ class Workload:
 RLKIT_PHASES = {"generate": ["timing/generate"], "logprobs": ["timing/logprobs"], "train": ["timing/train"],
                 "weight_sync": ["timing/refit", "timing/reclaim"]}
 # reported beside the phases when the run logs them (medians over the same steps)
-RLKIT_FIGURES = ["perf/generate_tokens_per_s", "perf/logprobs_tokens_per_s", "perf/train_tokens_per_s",
-                 "perf/generate_mfu", "perf/logprobs_mfu", "perf/train_mfu", "memory/policy_peak_gb",
+RLKIT_FIGURES = ["timing/generate_tokens_per_s", "timing/logprobs_tokens_per_s", "timing/train_tokens_per_s",
+                 "timing/generate_mfu", "timing/logprobs_mfu", "timing/train_mfu", "memory/policy_peak_gb",
                  "memory/policy_offloaded_gb", "timing/policy_sleep", "timing/policy_wake",
                  "timing/policy_sleep_gbytes_per_s", "timing/policy_wake_gbytes_per_s",
                  "timing/pinned_d2h_gbytes_per_s", "timing/pinned_h2d_gbytes_per_s", "timing/refit_transfer"]

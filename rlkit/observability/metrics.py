@@ -1,7 +1,8 @@
 """Metrics: phase timers, one console line per step with a progress bar and ETA, a JSONL file,
 TensorBoard, optional wandb, and PNG plots at the end of a run.
 
-Names are namespaced: train/, val/, refit/, env/, timing/, perf/ (throughput.py), memory/.
+Names are namespaced: train/, val/, refit/, env/, memory/ and timing/: every wall-clock figure,
+throughput.py's tokens/s and MFU included (no two runs share them).
 """
 
 import json
@@ -144,7 +145,7 @@ def console_line(step: int, num_steps: int, m: dict, seconds_per_step: float) ->
                             ("train/kl", "kl", ".4f"), ("train/entropy", "ent", ".3f"),
                             ("train/grad_norm", "gnorm", ".3f"),
                             ("refit/logprob_abs_error_mean", "lp_err", ".1e"),
-                            ("perf/train_tokens_per_s", "train_tok/s", ".0f"), ("timing/step", "time", ".2f")]:
+                            ("timing/train_tokens_per_s", "train_tok/s", ".0f"), ("timing/step", "time", ".2f")]:
         if key in m:
             parts.append(f"{label} {m[key]:{fmt}}" + ("s" if key == "timing/step" else ""))
     return " | ".join(parts)

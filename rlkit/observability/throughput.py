@@ -89,12 +89,12 @@ class PhaseWork:
 
 
 def phase_metrics(work: dict[str, PhaseWork], seconds: dict[str, float], peak_flops: float | None) -> dict:
-    """perf/{phase}_tokens_per_s (all of the phase's GPUs together) and, where the peak is
-    known, perf/{phase}_mfu; seconds: a PhaseTimer's, timing/{phase}."""
+    """timing/{phase}_tokens_per_s (all of the phase's GPUs together) and, where the peak is
+    known, timing/{phase}_mfu; seconds: a PhaseTimer's, timing/{phase}."""
     out = {}
     for phase, w in work.items():
         elapsed = seconds[f"timing/{phase}"]
-        out[f"perf/{phase}_tokens_per_s"] = w.tokens / elapsed
+        out[f"timing/{phase}_tokens_per_s"] = w.tokens / elapsed
         if peak_flops is not None:
-            out[f"perf/{phase}_mfu"] = w.flops / (elapsed * w.gpus * peak_flops)
+            out[f"timing/{phase}_mfu"] = w.flops / (elapsed * w.gpus * peak_flops)
     return out

@@ -26,7 +26,7 @@ def test_three_grpo_steps(ray_cluster, make_cfg, placement):
             assert key in metrics and math.isfinite(metrics[key]), key
         tokens = {}
         for phase in ["generate", "logprobs", "train"]:
-            per_s = metrics[f"perf/{phase}_tokens_per_s"]
+            per_s = metrics[f"timing/{phase}_tokens_per_s"]
             assert math.isfinite(per_s) and per_s > 0, phase
             tokens[phase] = per_s * metrics[f"timing/{phase}"]
         assert tokens["generate"] == pytest.approx(32 * metrics["train/response_length"])  # sampled, no padding

@@ -46,6 +46,6 @@ def test_progress_bar_and_eta():
     assert progress(5, 10, 2.0, width=10) == "[#####.....]  50% eta 0m10s"
     assert progress(10, 10, 2.0, width=10).endswith("100% eta 0m00s")
     line = console_line(3, 150, {"train/reward": 0.5, "train/accuracy": 0.25, "timing/step": 0.4,
-                                 "perf/train_tokens_per_s": 1234.4}, 0.4)
+                                 "timing/train_tokens_per_s": 1234.4}, 0.4)
     assert line.startswith("step   3/150 [") and "eta 0m58s" in line and "reward 0.500" in line
     assert "train_tok/s 1234 | time 0.40s" in line

@@ -86,7 +86,7 @@ def test_phase_metrics():
     work = {"generate": PhaseWork(tokens=100, flops=4e12, gpus=2), "train": PhaseWork(tokens=300, flops=9e12, gpus=1)}
     seconds = {"timing/generate": 2.0, "timing/train": 3.0, "timing/step": 6.0}
     assert phase_metrics(work, seconds, peak_flops=1e12) == {
-        "perf/generate_tokens_per_s": 50.0, "perf/generate_mfu": 1.0,
-        "perf/train_tokens_per_s": 100.0, "perf/train_mfu": 3.0}
-    assert phase_metrics(work, seconds, peak_flops=None) == {"perf/generate_tokens_per_s": 50.0,
-                                                             "perf/train_tokens_per_s": 100.0}
+        "timing/generate_tokens_per_s": 50.0, "timing/generate_mfu": 1.0,
+        "timing/train_tokens_per_s": 100.0, "timing/train_mfu": 3.0}
+    assert phase_metrics(work, seconds, peak_flops=None) == {"timing/generate_tokens_per_s": 50.0,
+                                                             "timing/train_tokens_per_s": 100.0}
