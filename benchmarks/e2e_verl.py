@@ -287,7 +287,7 @@ def _run_logged(command: list[str], env: dict, cwd: Path, log: Path, timeout_s: 
                     break
                 except subprocess.TimeoutExpired:
                     pass
-        _signal_group(proc.pid, signal.SIGKILL)
+        _kill_group(proc.pid, timeout_s=10)
         reader.join(timeout=10)
     return proc.returncode, timed_out, seen
 
@@ -295,6 +295,27 @@ def _run_logged(command: list[str], env: dict, cwd: Path, log: Path, timeout_s: 
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
+
+
+def _live_group_members(pgid: int) -> list[int]:
+    """Processes of group pgid that still run (zombies hold no memory, so they do not count)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] not in "ZX":
+                    members.append(int(entry.name))
+    return members
+
+
+def _kill_group(pgid: int, timeout_s: float) -> None:
+    """SIGKILL group pgid and wait until none of it runs: a kill is delivered asynchronously, and the GPU is
+    free only once the processes holding it are gone."""
+    _signal_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while _live_group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def run_verl(workload: Workload, model_dir: Path, work_dir: Path, site_dir: str, timeout_s: int, *,
