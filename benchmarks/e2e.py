@@ -89,13 +89,15 @@ def run_rlkit(w: Workload, recipe: str, model_dir: Path, work_dir: Path, timeout
 
 
 def summary(per_step: list[dict]) -> dict:
-    """Medians over the steady steps (2..N: step 1 pays for compilation and first allocations),
-    `other` = step minus the named phases, and the share of the step outside model compute."""
+    """Medians over the steady steps (2..N: step 1 pays for compilation and first allocations) of
+    each phase, of `other` (step minus the named phases) and of the share of the step outside model
+    compute, each taken per step first: a median of phases from different steps would not add up."""
+    per_step = [{**s, "other": s["step"] - sum(s[p] for p in ("generate", "logprobs", "train", "weight_sync")),
+                 "outside_compute_fraction": 1 - sum(s[p] for p in ("generate", "logprobs", "train")) / s["step"]}
+                for s in per_step]
     steady = per_step[1:] or per_step
     medians = {k: statistics.median(s[k] for s in steady) for k in steady[0]}
-    medians["other"] = medians["step"] - sum(medians[p] for p in ("generate", "logprobs", "train", "weight_sync"))
-    compute = medians["generate"] + medians["logprobs"] + medians["train"]
-    return {"steps": per_step, "median": medians, "outside_compute_fraction": 1 - compute / medians["step"]}
+    return {"steps": per_step, "median": medians, "outside_compute_fraction": medians.pop("outside_compute_fraction")}
 
 
 def model_dir_for(name: str, cache_dir: Path) -> Path:

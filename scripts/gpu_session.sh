@@ -28,6 +28,7 @@ e2e_verl() {  # the driver runs in rlkit's environment; verl in a subprocess on 
   timeout "$1" python3 benchmarks/e2e_verl.py --model "$(cat "$OUT/smollm2_path.txt")" --site /tmp/site-verl \
     --work /tmp/e2e_verl --out "$OUT/e2e_verl.json" --timeout $(( $1 - 30 )) "${@:2}" 2>&1 | tee "$OUT/e2e_verl.log" | tail -3
   cp /tmp/e2e_verl/verl.log "$OUT/verl_run.log" 2>/dev/null
+  cp "$OUT/e2e_verl.json" /tmp/e2e_verl.json 2>/dev/null  # for a later call's `e2e ... --compare /tmp/e2e_verl.json`
 }
 case "$1" in
   smollm2-gap) smollm2; gap ;;

@@ -68,11 +68,17 @@ class VLLMGenerationWorker(GenerationWorker):
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
-        # a seed per request, from the call's: the samples depend on the step, not on what this
-        # engine sampled before, so a resumed run (a fresh engine) draws what the first one did
-        sampling = [VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
-                                       top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
-                                       logprobs=0, seed=(params.seed << 20) + i, ignore_eos=params.ignore_eos) for i in range(len(prompt_ids))]
+        # the engine's sampler is reseeded from the call's seed (and this engine's rank): the samples depend on the
+        # step, not on what this engine sampled before, so a resumed run (a fresh engine) draws what the first one
+        # did. Not a seed per request: vLLM then draws each request's noise in a Python loop, one kernel per row
+        # and decode step, which costs seconds of a step with hundreds of rows.
+        self._rpc("rlkit_seed_sampler", params.seed * 1_000_003 + self.rank)
+        sampling = VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
+                                      top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+                                      logprobs=0, ignore_eos=params.ignore_eos,
+                                      # rlkit decodes what it needs itself; flat logprobs are a few lists per
+                                      # request, not a dict and an object per token
+                                      detokenize=False, flat_logprobs=True)
         if self._prefix_cache_stale:  # cached KV was computed with the old weights
             self.llm.reset_prefix_cache()
             self._prefix_cache_stale = False
@@ -80,9 +86,12 @@ class VLLMGenerationWorker(GenerationWorker):
                                     use_tqdm=False)
         token_ids, logprobs = [], []
         for out in outputs:
-            sample = out.outputs[0]
+            sample, flat = out.outputs[0], out.outputs[0].logprobs
+            # each position's first entry is the sampled token's
+            if [flat.token_ids[i] for i in flat.start_indices] != list(sample.token_ids):
+                raise RuntimeError(f"generation worker {self.rank}: vLLM's logprobs do not follow its sampled tokens")
             token_ids.append(list(sample.token_ids))
-            logprobs.append([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])
+            logprobs.append([flat.logprobs[i] for i in flat.start_indices])
         return Generations(token_ids, logprobs)
 
     def _rpc(self, method: str, *args):

@@ -35,6 +35,11 @@ class RefitExtension:
             address, name, timeout_s)
 
     @_pickled_args
+    def rlkit_seed_sampler(self, seed: int):
+        """The sampler draws its noise from the device's default generator when no request has a seed."""
+        torch.cuda.manual_seed(seed)
+
+    @_pickled_args
     def rlkit_param_checksums(self) -> dict[str, int]:
         """{vLLM parameter name: checksum of its bytes}, for bit-exactness checks."""
         return {name: bucket_checksum(p.detach().contiguous().view(-1).view(torch.uint8))
