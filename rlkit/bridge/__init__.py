@@ -3,6 +3,7 @@ stream HF-named tensors back out. The rest of rlkit sees only `ModelBridge`."""
 
 import importlib.util
 import inspect
+import re
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator
@@ -32,23 +33,53 @@ def _isolate_name_tables():
     _patched.add("name_tables")
 
 
-def _local_names_to_hf():
-    """Without TransformerEngine, mbridge 0.15.1's name tables only know TE's fused layernorm
-    names: translate the local spec's layernorm names to the fused ones before mbridge maps them
-    to HF."""
+# SequentialMLP's name for an expert's weight (the local spec); TEGroupedMLP's is experts.linear_fc1.weight<i>
+_SEQUENTIAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def _local_names_as_te():
+    """Without TransformerEngine, mbridge 0.15.1's name tables still expect the TE spec's names.
+    Where mbridge maps a model's parameter names to global ones (loading, exporting, export_rows),
+    give the local spec's weights the names TE's spec has for them:
+    - the attention norm fused into linear_qkv, and the MLP norm fused into linear_fc1 in a dense
+      layer (an MoE layer keeps its own pre_mlp_layernorm under TE too);
+    - an expert's weights as TEGroupedMLP's, numbered by this rank's own expert index where mbridge
+      adds the EP offset itself (consider_ep=False: the export), by the global index otherwise.
+    Loading then splits these experts over the TP group rather than the expert-TP group: the same
+    ranks while expert TP = TP, Megatron's default, which rlkit keeps."""
     if "local_names" in _patched:
         return
     from mbridge.core.bridge import Bridge
 
-    to_hf = Bridge._weight_name_mapping_mcore_to_hf
+    to_global = Bridge._weight_name_mapping_mcore_local_to_global
 
-    def fused_names_to_hf(self, name):
-        name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
-        name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
-        return to_hf(self, name)
+    def te_names(self, model, consider_ep=True):
+        names = to_global(self, model, consider_ep)
+        moe_layers = {name.split(".mlp.router.")[0] for name in names.values() if ".mlp.router." in name}
+        first_expert = 0
+        if consider_ep and moe_layers:
+            first_expert = self.mpu.ep_rank * self.config.num_moe_experts // self.mpu.ep_size
 
-    Bridge._weight_name_mapping_mcore_to_hf = fused_names_to_hf
+        def te_name(name):
+            name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+            layer = name.split(".pre_mlp_layernorm.")[0]
+            if layer != name and layer not in moe_layers:
+                name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
+            return _SEQUENTIAL_EXPERT.sub(lambda m: f".mlp.experts.{m[2]}.weight{first_expert + int(m[1])}", name)
+
+        return {local: te_name(name) for local, name in names.items()}
+
+    Bridge._weight_name_mapping_mcore_local_to_global = te_names
     _patched.add("local_names")
+
+
+def _router_gemm_without_te():
+    """megatron-core 0.16.1's MoE router asks `te_general_gemm is not None`, a name its moe_utils
+    defines only when TransformerEngine imports (NameError otherwise): define it as absent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _local_layer_spec(bridge, core_attention: type, vp_stage=None):
@@ -84,7 +115,7 @@ class ModelBridge:
         self._bridge.set_extra_args(sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
                                     masked_softmax_fusion=False, bias_activation_fusion=False,
                                     bias_dropout_fusion=False, apply_rope_fusion=False,
-                                    gradient_accumulation_fusion=False,
+                                    gradient_accumulation_fusion=False, persist_layer_norm=False,
                                     # micro-batches are cut to their longest row (rlkit/data/micro_batches.py):
                                     # pipeline stages exchange each one's shape
                                     variable_seq_lengths=True)
@@ -93,7 +124,10 @@ class ModelBridge:
 
             from rlkit.bridge.sdpa_attention import SDPAttention
 
-            _local_names_to_hf()
+            _local_names_as_te()
+            _router_gemm_without_te()
+            # grouped experts need TE (or the grouped_gemm package): one torch MLP per local expert instead
+            self._bridge.set_extra_args(moe_grouped_gemm=False)
             core_attention = {"sdpa": SDPAttention, "local": DotProductAttention}[attention_backend]
             # this bridge's own spec, so two models in one process may use different attention
             self._bridge._get_transformer_layer_spec = partial(_local_layer_spec, self._bridge, core_attention)

@@ -1,4 +1,4 @@
-"""Tiny HF checkpoints of real architectures (Qwen2, Qwen3, Llama), built offline.
+"""Tiny HF checkpoints of real architectures (Qwen2, Qwen3, Qwen3-MoE, Llama), built offline.
 
 The tokenizer is a byte-level BPE trained on arithmetic-like text. It uses Qwen2's
 pre-tokenizer regex because transformers 5 swaps that regex into any tokenizer loaded
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("qwen2", "qwen3", "llama")
+ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "llama")
 TINY_HEADS = (4, 2)  # (attention heads, key/value heads) of every tiny model
+TINY_EXPERTS = {"qwen3_moe": 4}  # routed experts of each tiny MoE architecture (top-2 of them per token)
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_PRETOKENIZER = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -51,7 +52,7 @@ def build_tokenizer():
 
 
 def _hf_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden_size: int, num_layers: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=TINY_HEADS[0], num_key_value_heads=TINY_HEADS[1],
@@ -61,6 +62,10 @@ def _hf_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden_size
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(head_dim=hidden_size // 4, **common)
+    if arch == "qwen3_moe":
+        # every layer sparse; top-k probabilities renormalised as in released Qwen3-MoE checkpoints
+        return Qwen3MoeConfig(head_dim=hidden_size // 4, num_experts=TINY_EXPERTS[arch], num_experts_per_tok=2,
+                              moe_intermediate_size=hidden_size, norm_topk_prob=True, **common)
     return LlamaConfig(**common)
 
 

@@ -1,12 +1,15 @@
 """Run megatron-core 0.16.1 on a CPU-only torch build (gloo). Used only when no GPU is present.
 
 megatron-core assumes CUDA in a handful of places: `torch.cuda.current_device()` passed as a
-device, the CUDA RNG tracker, a causal mask built with device="cuda", and DDP/optimizer/
-pipeline-schedule code that allocates with device="cuda" or asserts `grad.type()` is a CUDA
-type. `enable()` points the first three at the CPU and installs a TorchFunctionMode that maps
-every "cuda" device argument to "cpu" for the rest. Measured overhead is within noise.
+device, the CUDA RNG tracker, a causal mask built with device="cuda", the MoE alltoall token
+dispatcher's device-to-host copies (on a side stream, of counts it then needs as numpy arrays),
+and DDP/optimizer/pipeline-schedule code that allocates with device="cuda" or asserts
+`grad.type()` is a CUDA type. `enable()` points the first four at the CPU and installs a
+TorchFunctionMode that maps every "cuda" device argument to "cpu" for the rest. Measured overhead
+is within noise.
 """
 
+import contextlib
 import logging
 
 import torch
@@ -36,6 +39,32 @@ class _CudaAsCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _SynchronousStream:
+    """A CUDA stream or event on the CPU, where every op has finished when it returns: waiting and
+    synchronizing have nothing to do."""
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+_DEFAULT_STREAM = _SynchronousStream()
+
+
+def _host_copy(tensor, as_numpy=False, record_stream=False):
+    """moe_utils.maybe_move_tensor_to_cpu for tensors already on the host: it converts only CUDA
+    tensors to numpy, and all_to_all_single takes the split sizes as numpy but not as a tensor."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
 _mode = None
 
 
@@ -44,6 +73,7 @@ def enable():
     if _mode is not None:
         return
     import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import megatron.core.tensor_parallel.random as mcore_random
     import megatron.core.transformer.utils as transformer_utils
 
@@ -53,6 +83,10 @@ def enable():
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
     torch.cuda.manual_seed = torch.manual_seed
+    torch.cuda.Stream = _SynchronousStream
+    torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
 
