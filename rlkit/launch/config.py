@@ -9,6 +9,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -20,10 +21,10 @@ from rlkit.algorithms.registry import load_algorithm
 from rlkit.bridge import ATTENTION_BACKENDS
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PromptDataConfig, RootConfig
+from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig
 from rlkit.data.arithmetic import synthetic_splits
 from rlkit.envs.base import check_environment_config
-from rlkit.models.tiny import ARCHITECTURES, TINY_HEADS, parse_tiny
+from rlkit.models.tiny import ARCHITECTURES, TINY_EXPERTS, TINY_HEADS, parse_tiny
 from rlkit.refit.driver import TRANSPORTS
 from rlkit.workers.policy.offload import OFFLOAD_MODES
 
@@ -100,18 +101,28 @@ def _choice(key: str, value, choices):
         raise ConfigError(f"{key}: must be one of {list(choices)} (got: {value!r}); pick one of those")
 
 
-def _attention_heads(model_path: str) -> tuple[int, int] | None:
-    """(attention heads, kv heads) from an HF checkpoint's config.json; None for tiny:// models."""
-    if parse_tiny(model_path):
-        return TINY_HEADS
+class ModelShape(NamedTuple):
+    """What the parallel layout must divide: attention heads, key/value heads, routed experts (0: dense)."""
+    heads: int
+    kv_heads: int
+    experts: int
+
+
+def _model_shape(model_path: str) -> ModelShape:
+    """The model's shape from an HF checkpoint's config.json, or from the tiny:// architecture."""
+    arch = parse_tiny(model_path)
+    if arch:
+        return ModelShape(*TINY_HEADS, TINY_EXPERTS.get(arch, 0))
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         made_here = "; `rlkit pretrained smollm2-135m-instruct` makes it" if "SmolLM2" in model_path else ""
         raise ConfigError(f"policy.model_path: {config_file} does not exist; give an HF checkpoint directory "
-                          f"or tiny://<qwen2|qwen3|llama>{made_here}")
+                          f"or tiny://<{'|'.join(ARCHITECTURES)}>{made_here}")
     try:
         hf = json.loads(config_file.read_text())
-        return hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+        # Qwen-MoE and DeepSeek write num_experts / n_routed_experts; Mixtral and transformers 5 num_local_experts
+        experts = next((hf[key] for key in ("num_experts", "num_local_experts", "n_routed_experts") if key in hf), 0)
+        return ModelShape(hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"]), experts)
     except (json.JSONDecodeError, KeyError) as e:
         raise ConfigError(f"policy.model_path: {config_file} is not a usable HF config ({type(e).__name__}: {e}); "
                           f"point policy.model_path at a complete HF checkpoint directory") from None
@@ -145,6 +156,7 @@ def validate(cfg: RootConfig) -> None:
                           f"{['tiny://' + x for x in ARCHITECTURES]}")
     _positive(("policy.num_workers", p.num_workers), ("policy.tensor_parallel_size", p.tensor_parallel_size),
               ("policy.pipeline_parallel_size", p.pipeline_parallel_size),
+              ("policy.expert_parallel_size", p.expert_parallel_size),
               ("policy.micro_batch_size", p.micro_batch_size),
               ("policy.train_global_batch_size", p.train_global_batch_size),
               ("cluster.num_cpus", cfg.cluster.num_cpus), ("algorithm.val_every", a.val_every),
@@ -171,11 +183,12 @@ def validate(cfg: RootConfig) -> None:
                           f"policy.micro_batch_size ({p.micro_batch_size}) = {dp * p.micro_batch_size} "
                           f"(got: {p.train_global_batch_size}); set it to a multiple of {dp * p.micro_batch_size}")
     algorithm.validate(cfg, dp)
-    heads, kv_heads = _attention_heads(p.model_path)
-    for name, count in [("attention heads", heads), ("key/value heads", kv_heads)]:
+    shape = _model_shape(p.model_path)
+    for name, count in [("attention heads", shape.heads), ("key/value heads", shape.kv_heads)]:
         if count % p.tensor_parallel_size:
             raise ConfigError(f"policy.tensor_parallel_size: must divide the model's {count} {name} "
                               f"(got: {p.tensor_parallel_size}); pick a divisor of {count}")
+    _validate_expert_parallel(p, dp, shape.experts)
     if algorithm.rollouts:
         _validate_rollout_transport(cfg)
     _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
@@ -195,6 +208,24 @@ def validate(cfg: RootConfig) -> None:
                       ("checkpoint.dir", cfg.checkpoint.dir)]:
         if path is not None:
             _writable_dir(key, path)
+
+
+def _validate_expert_parallel(p: PolicyConfig, dp: int, experts: int) -> None:
+    """Megatron lays the experts over TP x EP x PP ranks (expert TP = TP), so an expert-parallel group
+    spans data-parallel ranks only, and each of its ranks holds an equal share of the experts."""
+    ep = p.expert_parallel_size
+    if ep == 1:
+        return
+    if not experts:
+        raise ConfigError(f"policy.expert_parallel_size: {p.model_path} is a dense model, without experts to "
+                          f"spread (got: {ep}); set it to 1")
+    if experts % ep:
+        raise ConfigError(f"policy.expert_parallel_size: must divide the model's {experts} experts (got: {ep}); "
+                          f"pick a divisor of {experts}")
+    if dp % ep:
+        raise ConfigError(f"policy.expert_parallel_size: must divide the data-parallel size policy.num_workers / "
+                          f"(TP x PP) = {dp} (got: {ep}); set policy.num_workers to a multiple of "
+                          f"TP x PP x EP = {p.tensor_parallel_size * p.pipeline_parallel_size * ep}")
 
 
 def _validate_prompts(d: PromptDataConfig) -> None:

@@ -108,7 +108,7 @@ ERRORS = [
      ["policy.model_path=tiny://llama"]),
     ("model-path-missing", ["policy.model_path=/nonexistent/rlkit/checkpoint"], "policy.model_path",
      ["/nonexistent/rlkit/checkpoint/config.json does not exist", "give an HF checkpoint directory",
-      "tiny://<qwen2|qwen3|llama>"], ["policy.model_path=tiny://qwen3"]),
+      "tiny://<qwen2|qwen3|qwen3_moe|llama>"], ["policy.model_path=tiny://qwen3"]),
     # positive counts
     ("micro-batch-zero", ["policy.micro_batch_size=0"], "policy.micro_batch_size", ["must be >= 1", "(got: 0)"],
      ["policy.micro_batch_size=16"]),
@@ -146,6 +146,21 @@ ERRORS = [
      "policy.tensor_parallel_size", ["must divide the model's 2 key/value heads", "(got: 4)", "pick a divisor of 2"],
      ["policy.tensor_parallel_size=2", "policy.num_workers=4", "policy.micro_batch_size=16",
       "policy.train_global_batch_size=128"]),
+    # expert parallelism: only for a model with experts, dividing them (tiny://qwen3_moe has 4) and DP
+    ("ep-zero", ["policy.expert_parallel_size=0"], "policy.expert_parallel_size", ["must be >= 1", "(got: 0)"],
+     ["policy.expert_parallel_size=1"]),
+    ("ep-dense-model", ["policy.expert_parallel_size=2"], "policy.expert_parallel_size",
+     ["tiny://qwen2 is a dense model", "(got: 2)", "set it to 1"], ["policy.expert_parallel_size=1"]),
+    # 8 workers of micro-batch 8: DP=8 passes the batch checks, and 8 | DP but not the 4 experts
+    ("ep-not-dividing-experts", ["policy.model_path=tiny://qwen3_moe", "policy.num_workers=8",
+                                 "policy.micro_batch_size=8", "policy.expert_parallel_size=8"],
+     "policy.expert_parallel_size", ["must divide the model's 4 experts", "(got: 8)", "pick a divisor of 4"],
+     ["policy.model_path=tiny://qwen3_moe", "policy.num_workers=8", "policy.micro_batch_size=8",
+      "policy.expert_parallel_size=4"]),
+    ("ep-not-dividing-dp", ["policy.model_path=tiny://qwen3_moe", "policy.expert_parallel_size=4"],
+     "policy.expert_parallel_size", ["must divide the data-parallel size", "= 2 (got: 4)",
+                                     "policy.num_workers to a multiple of TP x PP x EP = 4"],
+     ["policy.model_path=tiny://qwen3_moe", "policy.expert_parallel_size=2"]),
     # the recipe turns the warm start on (40 SFT steps); 48 is not a multiple of DP (2) x mbs (16) = 32
     ("warm-start-batch-not-divisible", ["algorithm.warm_start.batch_size=48"], "algorithm.warm_start.batch_size",
      ["divisible by DP (2) x policy.micro_batch_size (16)", "(got: 48)"], ["algorithm.warm_start.batch_size=96"]),
@@ -364,6 +379,17 @@ def test_checkpoint_dir_kv_heads_default_to_attention_heads(tmp_path):
     assert cfg.policy.tensor_parallel_size == 3
 
 
+@pytest.mark.parametrize("experts_key", ["num_experts", "num_local_experts", "n_routed_experts"])
+def test_checkpoint_dir_experts_from_config_json(tmp_path, experts_key):
+    """Each family's name for its routed experts is what policy.expert_parallel_size must divide."""
+    ckpt = write_checkpoint(tmp_path / "moe", {"num_attention_heads": 4, experts_key: 6})
+    load_config(RECIPE, [f"policy.model_path={ckpt}", "policy.expert_parallel_size=2"])
+    message = load_error([f"policy.model_path={ckpt}", "policy.expert_parallel_size=4", "policy.num_workers=4",
+                          "policy.micro_batch_size=8"])
+    assert_names_key(message, "policy.expert_parallel_size")
+    assert "must divide the model's 6 experts" in message
+
+
 def test_checkpoint_dir_without_config_json(tmp_path):
     (tmp_path / "empty").mkdir()
     message = load_error([f"policy.model_path={tmp_path / 'empty'}"])
@@ -374,7 +400,7 @@ def test_checkpoint_dir_without_config_json(tmp_path):
 @pytest.mark.parametrize("hf_config", [{"hidden_size": 64}, "{not json"], ids=["no-heads-field", "bad-json"])
 def test_unreadable_checkpoint_config_is_a_config_error(tmp_path, hf_config):
     """A config.json without num_attention_heads raises KeyError and a malformed one JSONDecodeError out of
-    _attention_heads(); neither becomes a ConfigError naming policy.model_path."""
+    _model_shape(); neither becomes a ConfigError naming policy.model_path."""
     ckpt = write_checkpoint(tmp_path / "ckpt", hf_config)
     message = load_error([f"policy.model_path={ckpt}"])
     assert_names_key(message, "policy.model_path")

@@ -65,7 +65,8 @@ class MegatronModelWorker:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel_size,
-                                      pipeline_model_parallel_size=cfg.pipeline_parallel_size)
+                                      pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+                                      expert_model_parallel_size=cfg.expert_parallel_size)
         self.mpu = mpu
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
