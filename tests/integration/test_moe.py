@@ -34,17 +34,15 @@ def moe_policy(request, ray_cluster, make_cfg, moe_dir):
 
 
 def test_moe_logprobs_match_hf(moe_policy, moe_dir):
-    policy = moe_policy
     input_ids = torch.randint(0, 300, (8, 12), generator=torch.Generator().manual_seed(0))
     reference = _hf_logprobs(moe_dir, input_ids)
-    logprobs = policy.logprobs(Batch({"input_ids": input_ids}))
+    logprobs = moe_policy.logprobs(Batch({"input_ids": input_ids}))
     assert (logprobs - reference).abs().max().item() < TOLERANCE
 
 
 def test_moe_export_returns_the_checkpoint_bit_exact(moe_policy, moe_dir):
-    policy = moe_policy
     checkpoint = load_file(moe_dir / "model.safetensors")
-    exported = policy.export_hf_weights()
+    exported = moe_policy.export_hf_weights()
     assert set(exported) == set(checkpoint)
     for name, tensor in checkpoint.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
