@@ -17,7 +17,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rlkit.config.schema import PolicyConfig
+from rlkit.config.schema import ConfigError, PolicyConfig
 from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.micro_batches import LENGTH_MASKS, micro_batches, restore_rows
 from rlkit.data.packing import packed_attention_mask
@@ -98,13 +98,18 @@ class MegatronModelWorker:
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        config = self.bridge.transformer_config
+        if config.num_moe_experts and config.tensor_model_parallel_size > 1:
+            # megatron-core refuses it in training mode, and its gradients are wrong without (measured)
+            raise ConfigError(f"policy.tensor_parallel_size: an MoE model trains at TP > 1 only with sequence "
+                              f"parallelism, which rlkit does not enable (got: {config.tensor_model_parallel_size}); "
+                              f"train it at TP=1 and spread its experts with policy.expert_parallel_size")
         o = self.cfg.optimizer
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=self.bf16,
             params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
             use_distributed_optimizer=self.cfg.use_distributed_optimizer), self.model)
-        config = self.bridge.transformer_config
         config.finalize_model_grads_func = finalize_model_grads
         return optimizer
 
