@@ -100,7 +100,8 @@ class MegatronModelWorker:
 
         config = self.bridge.transformer_config
         if config.num_moe_experts and config.tensor_model_parallel_size > 1:
-            # megatron-core refuses it in training mode, and its gradients are wrong without (measured)
+            # megatron-core's MoE layer refuses TP without sequence parallelism in training mode; with its
+            # check bypassed, the gradients were wrong (measured)
             raise ConfigError(f"policy.tensor_parallel_size: an MoE model trains at TP > 1 only with sequence "
                               f"parallelism, which rlkit does not enable (got: {config.tensor_model_parallel_size}); "
                               f"train it at TP=1 and spread its experts with policy.expert_parallel_size")
