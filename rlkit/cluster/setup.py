@@ -87,7 +87,15 @@ def _start_groups(cfg, model_dir, pg, placement, device, started, with_generatio
                                                    placement.share, device, generation_args, c.call_timeout_s))
         generation.sleep()  # also waits until every engine is up
     policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
+    _log_nodes(policy, generation.workers if generation else None)
     return RunWorkers(ModelWorkers(policy), generation, pg, started, placement, device)
+
+
+def _log_nodes(policy: WorkerGroup, generation: WorkerGroup | None) -> None:
+    """Where the workers run, when that is more than one node."""
+    nodes = {"policy ranks": policy.node_ips(), "generation workers": generation.node_ips() if generation else []}
+    if len({ip for ips in nodes.values() for ip in ips}) > 1:
+        log.info("nodes: " + "; ".join(f"{role} on {', '.join(ips)}" for role, ips in nodes.items() if ips))
 
 
 def start_critic(cfg: RootConfig, workers: RunWorkers, model_dir: str) -> ModelWorkers:

@@ -128,6 +128,11 @@ class WorkerGroup:
         results = self.wait(calls, method.__name__)
         return [results[r] for r in output_ranks]
 
+    def node_ips(self) -> list[str]:
+        """The address of the Ray node each worker runs on."""
+        refs = [actor.__ray_call__.remote(lambda _: ray.util.get_node_ip_address()) for actor in self.actors]
+        return self.wait(refs, "node_ips")
+
     def kill(self):
         for actor in self.actors:
             ray.kill(actor)

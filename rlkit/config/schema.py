@@ -90,6 +90,7 @@ class RefitConfig:
     bucket_mb: float = MISSING
     verify_checksums: bool = MISSING
     keep_fp32: list[str] = MISSING
+    channel_host: str = MISSING
 
 
 @dataclass

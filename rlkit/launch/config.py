@@ -283,6 +283,7 @@ def _validate_rollout_choices(cfg: RootConfig) -> None:
     _choice("generation.precision", cfg.generation.precision, ("fp32", "bf16"))
     _choice("generation.backend", cfg.generation.backend, ("hf", "vllm"))
     _choice("refit.transport", cfg.refit.transport, TRANSPORTS)
+    _choice("refit.channel_host", cfg.refit.channel_host, ("loopback", "node_ip"))
 
 
 def _validate_rollout_transport(cfg: RootConfig) -> None:

@@ -9,8 +9,8 @@ process runs one thread, started once, that waits on this channel for the policy
 a refit. A refit is then one controller call, to the policy, whose answer carries every
 receiver's report.
 
-Messages are pickled over connected 127.0.0.1 sockets; a receiver proves itself with the
-channel's token. Every wait inside a refit is bounded; between refits a receiver waits without
+Messages are pickled over connected sockets, on 127.0.0.1 unless generation runs on other nodes
+(refit.channel_host); a receiver proves itself with the channel's token. Every wait inside a refit is bounded; between refits a receiver waits without
 a limit (a training step may take an hour).
 """
 
@@ -88,20 +88,22 @@ class Channel:
 
 
 class ChannelServer:
-    """Policy side: listens on 127.0.0.1 for `receivers` standing receivers, accepts them at the
-    first refit (and again after a failed one), and starts each refit on all of them."""
+    """Policy side: listens on `host` (one interface: 127.0.0.1 unless receivers run on other
+    nodes) for `receivers` standing receivers, accepts them at the first refit (and again after a
+    failed one), and starts each refit on all of them."""
 
-    def __init__(self, receivers: int, timeout_s: float = 300.0):
+    def __init__(self, receivers: int, timeout_s: float = 300.0, host: str = "127.0.0.1"):
         self.receivers, self.timeout_s, self.token = receivers, timeout_s, secrets.token_bytes(16)
-        # connections are accepted only from this host, and only with the token
-        self._server = socket.create_server(("127.0.0.1", 0))
+        # connections are accepted only on that interface, and only with the token
+        self._server = socket.create_server((host, 0))
         self._server.settimeout(timeout_s)
         self._channels: list[Channel] = []
         self._last_plan: RefitPlan | None = None  # what the connected receivers hold
 
     @property
     def address(self) -> tuple[str, int, bytes]:
-        return ("127.0.0.1", self._server.getsockname()[1], self.token)
+        host, port = self._server.getsockname()[:2]
+        return (host, port, self.token)
 
     def _accept(self, refused: int) -> Channel | None:
         """The next receiver; None for a connection without the token (closed at once: a stale

@@ -20,7 +20,7 @@ import time
 
 from rlkit.cluster.groups import GenerationWorkers, ModelWorkers
 from rlkit.cluster.worker_group import rendezvous_address
-from rlkit.config.schema import RootConfig
+from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.refit.plan import RefitPlan
 from rlkit.workers.generation.hf import HFGenerationWorker
 from rlkit.workers.generation.vllm import VLLMGenerationWorker
@@ -39,8 +39,8 @@ class RefitDriver:
         self.plan = RefitPlan.build(self.manifest, int(cfg.refit.bucket_mb * 2**20),
                                     transfer_dtype="bfloat16" if cfg.generation.precision == "bf16" else None,
                                     keep_fp32=tuple(cfg.refit.keep_fp32))
-        self.transfer = {"cpu": ObjectStoreTransfer, "cuda_ipc": CudaIpcTransfer,
-                         "nccl": NcclTransfer}[cfg.refit.transport](policy, generation, placement_group)
+        self.transfer = {"cpu": ObjectStoreTransfer, "cuda_ipc": CudaIpcTransfer, "nccl": NcclTransfer}[
+            cfg.refit.transport](policy, generation, placement_group, cfg.refit.channel_host)
         self.stale = True  # the generation workers do not hold the policy's weights yet
 
     def sync(self) -> dict:
@@ -79,9 +79,10 @@ def _metrics(plan: RefitPlan, seconds: float, sender: dict, received: list[dict]
 class ObjectStoreTransfer:
     """Policy rank 0 streams buckets into Ray's object store as it exports them; the controller
     forwards each bucket's reference to every generation worker, so at most a few buckets are in
-    flight and the controller never touches the bytes."""
+    flight and the controller never touches the bytes. Ray moves them between nodes: no channel,
+    so channel_host does not apply."""
 
-    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group):
+    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group, channel_host: str):
         self.policy, self.generation = policy.workers, generation.workers
 
     def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
@@ -124,10 +125,10 @@ class CudaIpcTransfer(_ChannelTransfer):
     """Generation worker i shares a GPU with policy rank i (colocated placement), and receives
     from it alone."""
 
-    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group):
+    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group, channel_host: str):
         self.policy, self.generation = policy.workers, generation.workers
         timeout_s = self.policy.timeout_s / 2
-        addresses = self.policy.every_rank(Policy.open_refit_channel, "cuda_ipc", 1, timeout_s)
+        addresses = self.policy.every_rank(Policy.open_refit_channel, "cuda_ipc", 1, timeout_s, channel_host)
         self._start_receivers("cuda_ipc", addresses, timeout_s)
 
 
@@ -135,8 +136,10 @@ class NcclTransfer(_ChannelTransfer):
     """A communicator of policy rank 0 (rank 0 in it) and every generation worker, made once;
     rank 0's channel reaches every generation worker's receiver."""
 
-    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group):
+    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group, channel_host: str):
         self.policy, self.generation = policy.workers, generation.workers
+        if channel_host == "loopback":
+            _check_one_node(self.policy, self.generation)
         timeout_s = self.policy.timeout_s / 2
         host, port = rendezvous_address(placement_group, 0)
         world = 1 + len(self.generation)
@@ -144,5 +147,15 @@ class NcclTransfer(_ChannelTransfer):
         engines = self.generation.submit(VLLMGenerationWorker.join_refit_communicator, host, port, world, timeout_s)
         self.policy.wait(joins, "join_refit_communicator", ranks=[0])
         self.generation.wait(engines, "join_refit_communicator")
-        address, = self.policy.only([0], Policy.open_refit_channel, "nccl", len(self.generation), timeout_s)
+        address, = self.policy.only([0], Policy.open_refit_channel, "nccl", len(self.generation), timeout_s,
+                                    channel_host)
         self._start_receivers("nccl", [address] * len(self.generation), timeout_s)
+
+
+def _check_one_node(policy, generation) -> None:
+    """A loopback channel reaches only its own node: say so before the receivers time out."""
+    sender, = policy.node_ips()[:1]
+    elsewhere = [f"generation worker {i} on {ip}" for i, ip in enumerate(generation.node_ips()) if ip != sender]
+    if elsewhere:
+        raise ConfigError(f"refit.channel_host=loopback: policy rank 0 is on {sender} but {', '.join(elsewhere)}; "
+                          f"set refit.channel_host=node_ip to refit across nodes")

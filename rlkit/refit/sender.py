@@ -82,13 +82,13 @@ class RefitSender:
         from rlkit.refit.transports.nccl import RefitCommunicator
         self.communicator = RefitCommunicator(host, port, 0, world_size, timeout_s)
 
-    def open_channel(self, transport, receivers: int, timeout_s: float) -> tuple:
-        """Listen for the standing receivers of `receivers` generation workers, which
+    def open_channel(self, transport, receivers: int, timeout_s: float, host: str) -> tuple:
+        """Listen on `host` for the standing receivers of `receivers` generation workers, which
         `transport` (a sending half: prepare(plan, fresh_receivers) -> setup, send(channels,
         plan, pack)) will feed; returns the address they connect to."""
         if self._server is not None:
             self._server.close()
-        self._server, self._transport = ChannelServer(receivers, timeout_s), transport
+        self._server, self._transport = ChannelServer(receivers, timeout_s, host), transport
         return self._server.address
 
     def send(self, plan: RefitPlan, with_checksum: bool) -> dict:

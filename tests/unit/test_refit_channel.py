@@ -3,6 +3,7 @@ reported; a failure is one error naming the receiver, after which it connects ag
 stranger, a silent peer and a vanished peer are each one error that says what happened, never
 a hang. (The GPU transports that run over it are tested in tests/gpu.)"""
 
+import socket
 import threading
 
 import pytest
@@ -152,3 +153,18 @@ def test_the_channel_listens_on_loopback_only():
     server = ChannelServer(receivers=1)
     assert server._server.getsockname()[0] == server.address[0] == "127.0.0.1"
     server.close()
+
+
+def test_a_channel_listens_on_the_interface_it_is_given_only():
+    """refit.channel_host=node_ip: the policy rank listens on its node's address, where receivers on
+    other nodes reach it (here a second loopback address stands in for a node's)."""
+    server = ChannelServer(receivers=1, timeout_s=5, host="127.0.0.2")
+    host, port, _ = server.address
+    assert host == "127.0.0.2"
+    with pytest.raises(ConnectionRefusedError):  # nothing listens on the other interface
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    receiver = ChannelThread(server.address, "generation worker 0", lambda channel, plan, start: {"ok": True}, None, 5)
+    server.accept_receivers()
+    server.begin(PLAN, verify=False)
+    assert server.finish() == [{"ok": True}]
+    _stop(server, [receiver])

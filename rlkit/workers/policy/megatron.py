@@ -414,9 +414,11 @@ class MegatronModelWorker:
     def join_refit_communicator(self, host: str, port: int, world_size: int, timeout_s: float):
         self.refit_sender.join_communicator(host, port, world_size, timeout_s)
 
-    def open_refit_channel(self, transport: str, receivers: int, timeout_s: float) -> tuple:
+    def open_refit_channel(self, transport: str, receivers: int, timeout_s: float, channel_host: str) -> tuple:
+        """channel_host (refit.channel_host): loopback, or node_ip for receivers on other nodes."""
         half = sending_half(transport, self.refit_sender.communicator)
-        return self.refit_sender.open_channel(half, receivers, timeout_s)
+        host = "127.0.0.1" if channel_host == "loopback" else ray.util.get_node_ip_address()
+        return self.refit_sender.open_channel(half, receivers, timeout_s, host)
 
     def send_refit(self, plan: RefitPlan, with_checksum: bool) -> dict:
         return self.refit_sender.send(plan, with_checksum)
