@@ -16,13 +16,16 @@ from rlkit.workers.policy.megatron import MegatronModelWorker as Policy
 pytestmark = pytest.mark.integration
 
 
-# (overrides, export path). TP=2: the bridge's export really gathers shards. TP=1: refits copy
+# (overrides, export path). TP=2 and EP=2: the bridge's export really gathers shards. TP=1: refits copy
 # parameter rows directly (qwen2: tied embeddings and a fused qkv bias; qwen3: q/k norms). Two
 # generation workers both receive every bucket.
 LAYOUTS = {
     "tp2-bridge": (["policy.num_workers=2", "policy.tensor_parallel_size=2"], False),
     "dp2-direct": (["policy.num_workers=2"], True),
     "qwen3-direct": (["policy.model_path=tiny://qwen3"], True),
+    # experts split over two ranks; the HF workers hold them fused (rlkit/models/checkpoint_names.py)
+    "qwen3-moe-ep2": (["policy.model_path=tiny://qwen3_moe", "policy.num_workers=2", "policy.expert_parallel_size=2"],
+                      False),
 }
 
 

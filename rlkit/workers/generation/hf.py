@@ -3,6 +3,7 @@
 import torch
 
 from rlkit.data.generation import Generations, SamplingParams
+from rlkit.models.checkpoint_names import checkpoint_named_parameters
 from rlkit.models.tokenizer import load_tokenizer
 from rlkit.refit.plan import PackedBucket, RefitPlan, bucket_checksum
 from rlkit.refit.receiver import ObjectStoreReceiver
@@ -22,7 +23,8 @@ class HFGenerationWorker(GenerationWorker):
         self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
         tokenizer = load_tokenizer(model_dir)
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-        self._params = dict(self.model.named_parameters())  # tied weights appear once, as the exporter sends them
+        # under the checkpoint's names, as the exporter sends them (fused MoE experts as views, tied weights once)
+        self._params = checkpoint_named_parameters(self.model)
         self.receiver = ObjectStoreReceiver(self._params, f"generation worker {rank}")
 
     @torch.no_grad()
