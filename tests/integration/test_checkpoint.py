@@ -69,9 +69,9 @@ def steps_logged(run_dir) -> int:
 
 
 def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, tmp_path, cache_dir):
-    """One run killed with SIGKILL at each point in turn (before its first checkpoint, after steps 3
-    and 5, and while a checkpoint is being written) and started again with the same command each
-    time ends with exactly the metrics of an uninterrupted run."""
+    """One run killed with SIGKILL at each point in turn (before its first checkpoint, after step 3,
+    and while a checkpoint is being written) and started again with the same command each time
+    ends with exactly the metrics of an uninterrupted run."""
     # the KL reference is the starting policy: exactly 0 before the first update
     assert reference_run[1]["train/reference_kl"] == 0.0
     run_dir = tmp_path / "grpo_tiny_cpu"
@@ -81,7 +81,6 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, 
         "after step 3": lambda: steps_logged(run_dir) >= 3,
         # a checkpoint directory that is still being written (step 4's, after resuming from step 2)
         "while checkpointing": lambda: checkpoints.is_dir() and any(".tmp-" in p.name for p in checkpoints.iterdir()),
-        "after step 5": lambda: steps_logged(run_dir) >= 5,
     }
     lrs = [reference_run[step]["train/lr"] for step in range(1, 7)]  # one optimizer step per step
     assert lrs[0] < lrs[1] == lrs[2] > lrs[3] > lrs[5] == pytest.approx(0.1 * lrs[1])  # warmup, then cosine decay
