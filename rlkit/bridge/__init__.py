@@ -107,8 +107,9 @@ class ModelBridge:
         _isolate_name_tables()
         self.hf_dir = str(hf_dir)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
-        if not hasattr(self.hf_config, "rope_theta"):  # transformers 5 moved it into rope_parameters
-            self.hf_config.rope_theta = self.hf_config.rope_parameters["rope_theta"]
+        for key in ("rope_theta", "partial_rotary_factor"):  # transformers 5 moved them into rope_parameters
+            if not hasattr(self.hf_config, key) and key in self.hf_config.rope_parameters:
+                setattr(self.hf_config, key, self.hf_config.rope_parameters[key])
         self._bridge = AutoBridge.from_config(self.hf_config, dtype=params_dtype)
         # RL needs deterministic forward passes (train vs generation logprobs); fusions that need
         # TE/Apex are off so the same model builds on CPU and GPU.
@@ -118,7 +119,13 @@ class ModelBridge:
                                     gradient_accumulation_fusion=False, persist_layer_norm=False,
                                     # micro-batches are cut to their longest row (rlkit/data/micro_batches.py):
                                     # pipeline stages exchange each one's shape
-                                    variable_seq_lengths=True)
+                                    variable_seq_lengths=True,
+                                    # an expert bias (aux-loss-free balancing, GLM-4.5 / DeepSeek-V3) is the
+                                    # checkpoint's, frozen as NeMo-RL's GRPO recipes and mbridge's GLM-4-MoE
+                                    # keep it: Megatron would move it after every step by the sign of the
+                                    # batch's expert load, a pretraining device outside the RL loss and its
+                                    # trust region (mbridge's DeepSeek-V3 and Mixtral bridges say 0.001)
+                                    moe_router_bias_update_rate=0.0)
         if importlib.util.find_spec("transformer_engine") is None:
             from megatron.core.transformer.dot_product_attention import DotProductAttention
 

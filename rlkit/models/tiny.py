@@ -1,4 +1,4 @@
-"""Tiny HF checkpoints of real architectures (Qwen2, Qwen3, Qwen3-MoE, Llama), built offline.
+"""Tiny HF checkpoints of real architectures (Qwen2, Qwen3, Qwen3-MoE, GLM-4-MoE, Llama), built offline.
 
 The tokenizer is a byte-level BPE trained on arithmetic-like text. It uses Qwen2's
 pre-tokenizer regex because transformers 5 swaps that regex into any tokenizer loaded
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "llama")
+ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "glm4_moe", "llama")
 TINY_HEADS = (4, 2)  # (attention heads, key/value heads) of every tiny model
-TINY_EXPERTS = {"qwen3_moe": 4}  # routed experts of each tiny MoE architecture (top-2 of them per token)
+TINY_EXPERTS = {"qwen3_moe": 4, "glm4_moe": 4}  # routed experts of each tiny MoE architecture (top-2 of them per token)
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_PRETOKENIZER = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -52,7 +52,7 @@ def build_tokenizer():
 
 
 def _hf_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden_size: int, num_layers: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=TINY_HEADS[0], num_key_value_heads=TINY_HEADS[1],
@@ -66,6 +66,14 @@ def _hf_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden_size
         # every layer sparse; top-k probabilities renormalised as in released Qwen3-MoE checkpoints
         return Qwen3MoeConfig(head_dim=hidden_size // 4, num_experts=TINY_EXPERTS[arch], num_experts_per_tok=2,
                               moe_intermediate_size=hidden_size, norm_topk_prob=True, **common)
+    if arch == "glm4_moe":
+        # GLM-4.5's shape in small: the first layer dense, then sigmoid routing over the experts with
+        # an expert bias (e_score_correction_bias), one shared expert, q/k/v biases, half the head
+        # dimensions rotated, routed weights scaled by 2.5; no multi-token-prediction layer
+        return Glm4MoeConfig(n_routed_experts=TINY_EXPERTS[arch], num_experts_per_tok=2, n_shared_experts=1,
+                             moe_intermediate_size=hidden_size, first_k_dense_replace=1, n_group=1, topk_group=1,
+                             norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=True,
+                             num_mtp_layers=0, **common)
     return LlamaConfig(**common)
 
 
@@ -90,6 +98,10 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, hidden_size: int = 6
     config = _hf_config(arch, vocab_size, tok.pad_token_id, tok.eos_token_id, hidden_size, num_layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # an expert bias starts at zero: random values make routing and refit depend on it
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.05, 0.05)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp", dir=out_dir.parent))
     try:

@@ -1,5 +1,5 @@
 """A tiny Qwen3-MoE (4 experts, top-2) without TransformerEngine, its experts on one rank, spread
-over 2 (EP=2) and over 2 x 2 with tensor parallelism: Megatron's logprobs equal HF transformers'
+over 2 (EP=2) and over 2 x 2 with tensor parallelism, and a tiny GLM-4-MoE at EP=1 and EP=2: Megatron's logprobs equal HF transformers'
 (tolerance as in test_policy_parity.py), and the bridge's HF export, which gathers the experts
 back, returns the checkpoint it loaded bit for bit. One SFT step has HF's loss and gradient norm
 where Megatron trains an MoE model (TP=1), and is refused by name at TP > 1."""
@@ -18,22 +18,30 @@ from rlkit.models.resolve import resolve_model_dir
 
 pytestmark = pytest.mark.integration
 MOE = "policy.model_path=tiny://qwen3_moe"
-LAYOUTS = {"ep1": ["policy.num_workers=1"],
-           "ep2": ["policy.num_workers=2", "policy.expert_parallel_size=2"],
-           "tp2-ep2": ["policy.num_workers=4", "policy.tensor_parallel_size=2", "policy.expert_parallel_size=2"]}
-
-
-@pytest.fixture(scope="module")
-def moe_dir(make_cfg):
-    cfg, _ = make_cfg(MOE)
-    return resolve_model_dir(cfg)
+# GLM-4-MoE: a dense first layer, sigmoid routing with an expert bias (exported with the weights), a shared expert
+GLM = "policy.model_path=tiny://glm4_moe"
+LAYOUTS = {"ep1": [MOE, "policy.num_workers=1"],
+           "ep2": [MOE, "policy.num_workers=2", "policy.expert_parallel_size=2"],
+           "tp2-ep2": [MOE, "policy.num_workers=4", "policy.tensor_parallel_size=2", "policy.expert_parallel_size=2"],
+           "glm4-ep1": [GLM, "policy.num_workers=1"],
+           "glm4-ep2": [GLM, "policy.num_workers=2", "policy.expert_parallel_size=2"]}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def moe_policy(request, ray_cluster, make_cfg, moe_dir):
-    cfg, _ = make_cfg(MOE, *LAYOUTS[request.param], "policy.micro_batch_size=4")
-    workers = start_workers(cfg, str(moe_dir), with_generation=False)
-    yield cfg.policy, workers.policy
+def moe_cfg(request, make_cfg):
+    cfg, _ = make_cfg(*LAYOUTS[request.param], "policy.micro_batch_size=4")
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def moe_dir(moe_cfg):
+    return resolve_model_dir(moe_cfg)
+
+
+@pytest.fixture(scope="module")
+def moe_policy(ray_cluster, moe_cfg, moe_dir):
+    workers = start_workers(moe_cfg, str(moe_dir), with_generation=False)
+    yield moe_cfg.policy, workers.policy
     workers.shutdown()
 
 

@@ -108,7 +108,7 @@ ERRORS = [
      ["policy.model_path=tiny://llama"]),
     ("model-path-missing", ["policy.model_path=/nonexistent/rlkit/checkpoint"], "policy.model_path",
      ["/nonexistent/rlkit/checkpoint/config.json does not exist", "give an HF checkpoint directory",
-      "tiny://<qwen2|qwen3|qwen3_moe|llama>"], ["policy.model_path=tiny://qwen3"]),
+      "tiny://<qwen2|qwen3|qwen3_moe|glm4_moe|llama>"], ["policy.model_path=tiny://qwen3"]),
     # positive counts
     ("micro-batch-zero", ["policy.micro_batch_size=0"], "policy.micro_batch_size", ["must be >= 1", "(got: 0)"],
      ["policy.micro_batch_size=16"]),
