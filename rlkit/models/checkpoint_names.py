@@ -1,4 +1,7 @@
-"""An HF model's parameters under the names its checkpoint files use.
+"""An HF model's checkpoint tensors under the names its checkpoint files use.
+
+A checkpoint holds the model's persistent state: its parameters and its persistent buffers (GLM-4-MoE's
+and DeepSeek-V3's router expert bias `mlp.gate.e_score_correction_bias` is a buffer), tied weights once.
 
 transformers 5 fuses some checkpoint tensors into one parameter when it loads a model: Qwen3-MoE's
 `mlp.experts.<e>.gate_proj.weight` and `up_proj.weight` of every expert become one
@@ -11,20 +14,25 @@ fused parameters, one per checkpoint tensor. The fusions are transformers' own c
 import torch
 
 
-def checkpoint_named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """{checkpoint name: the parameter, or the view of a fused parameter, that holds it}; tied
-    weights appear once."""
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{checkpoint name: the parameter or persistent buffer, or the view of a fused parameter, that
+    holds it}; tied weights appear once, under the name the model registers first (as
+    save_pretrained keeps them)."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
-    params = dict(model.named_parameters())
+    state, held = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():  # persistent state, tied weights by identity
+        if id(tensor) not in held:
+            held.add(id(tensor))
+            state[name] = tensor
     converters = [c for c in get_checkpoint_conversion_mapping(model.config.model_type) or []
                   if isinstance(c, WeightConverter)]
     named = {}
-    for name, param in params.items():
+    for name, tensor in state.items():
         converter = next((c for c in converters if _is_target(name, c)), None)
         if converter is None:
-            named[name] = param
+            named[name] = tensor
             continue
         ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
         if ops not in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]):
@@ -32,10 +40,10 @@ def checkpoint_named_parameters(model: torch.nn.Module) -> dict[str, torch.Tenso
                                       f"{converter.operations}; rlkit's HF worker receives only stacked experts")
         prefix = name[:-len(converter.target_patterns[0].lstrip("."))]
         sources = converter.source_patterns
-        part = param.shape[1] // len(sources)  # the concatenated tensors are of one size (gate, up)
-        for expert in range(param.shape[0]):
+        part = tensor.shape[1] // len(sources)  # the concatenated tensors are of one size (gate, up)
+        for expert in range(tensor.shape[0]):
             for k, source in enumerate(sources):
-                view = param[expert, k * part:(k + 1) * part] if len(sources) > 1 else param[expert]
+                view = tensor[expert, k * part:(k + 1) * part] if len(sources) > 1 else tensor[expert]
                 named[prefix + source.lstrip(".").replace("*", str(expert))] = view
     return named
 

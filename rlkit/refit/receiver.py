@@ -17,17 +17,18 @@ from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan
 
 
 class ObjectStoreReceiver:
-    """Copies each bucket's tensors into `params` ({HF name: parameter}; tied weights once, as
-    the exporter sends them). A plan that does not cover exactly these parameters, and a refit
-    that misses a bucket, are errors naming the worker."""
+    """Copies each bucket's tensors into `tensors` ({HF name: the model's checkpoint tensor}, see
+    rlkit/models/checkpoint_names.py; tied weights once, as the exporter sends them). A plan that
+    does not cover exactly these tensors, one that sends float32 into a tensor held narrower, and a
+    refit that misses a bucket are errors naming the worker."""
 
-    def __init__(self, params: dict[str, torch.Tensor], name: str):
-        self.params, self.name = params, name
+    def __init__(self, tensors: dict[str, torch.Tensor], name: str):
+        self.tensors, self.name = tensors, name
         self._plan: RefitPlan | None = None
         self._pending: set[int] = set()
 
     def begin(self, plan: RefitPlan, verify_checksums: bool) -> None:
-        expected = {n: tuple(p.shape) for n, p in self.params.items()}
+        expected = {n: tuple(t.shape) for n, t in self.tensors.items()}
         planned = {s.name: s.shape for b in plan.buckets for s in b.slots}
         missing = sorted(set(expected) - set(planned))
         unknown = sorted(set(planned) - set(expected))
@@ -35,13 +36,20 @@ class ObjectStoreReceiver:
         if missing or unknown or wrong:
             raise RefitIntegrityError(f"refit plan does not match {self.name}'s model: missing={missing[:5]} "
                                       f"unknown={unknown[:5]} shape-mismatch={wrong[:5]}")
+        # float32 on the wire into a bf16 tensor would round what refit.keep_fp32 promised to keep
+        narrowed = sorted(s.name for b in plan.buckets for s in b.slots
+                          if s.dtype == "float32" and self.tensors[s.name].dtype != torch.float32)
+        if narrowed:
+            raise RefitIntegrityError(f"refit.keep_fp32: {self.name} holds {narrowed[:5]} in "
+                                      f"{self.tensors[narrowed[0]].dtype}, not float32; remove them from the list "
+                                      "or keep them float32 in the generation model")
         self._plan, self._verify = plan, verify_checksums
         self._pending = set(range(len(plan.buckets)))
 
     @torch.no_grad()
     def load(self, packed: PackedBucket) -> None:
         for name, tensor in self._plan.unpack(packed, verify=self._verify):
-            self.params[name].copy_(tensor)
+            self.tensors[name].copy_(tensor)
         self._pending.discard(packed.index)
 
     def end(self) -> dict:

@@ -1,14 +1,19 @@
 """Refit through the CPU transport: generation weights end bit-identical to the policy's
-exported HF weights, and a corrupted bucket is caught and named."""
+exported HF weights, and a corrupted bucket is caught and named. In bf16, an MoE expert bias
+(refit.keep_fp32) stays float32 from the trained policy into the generation model."""
 
 import pytest
 import ray
 import torch
 
+from safetensors.torch import load_file
+
+from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.cluster.setup import start_workers
 from rlkit.cluster.worker_group import WorkerError
+from rlkit.data.batch import Batch, batch_totals
 from rlkit.models.resolve import resolve_model_dir
-from rlkit.refit.driver import ObjectStoreTransfer
+from rlkit.refit.driver import ObjectStoreTransfer, RefitDriver
 from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.workers.generation.hf import HFGenerationWorker as Engine
 from rlkit.workers.policy.megatron import MegatronModelWorker as Policy
@@ -93,3 +98,31 @@ def test_missing_bucket_fails_the_refit(workers, plan):
         generation.every_rank(Engine.load_bucket, bucket)
     with pytest.raises(WorkerError, match=f"buckets \\[{buckets[-1].index}\\] never arrived"):
         generation.every_rank(Engine.end_refit)
+
+
+def test_keep_fp32_expert_bias_arrives_float32_and_bit_exact_after_a_bf16_step(ray_cluster, make_cfg):
+    """A bf16 GLM-4-MoE policy at EP=2 trains one step and refits into bf16 HF workers with the
+    run's own plan (transfer dtype bf16, refit.keep_fp32 ["*e_score_correction_bias"]): Megatron
+    keeps the expert bias float32 (a buffer that Float16Module's cast would round; the router
+    restores it) and frozen (moe_router_bias_update_rate 0, rlkit/bridge), so the generation
+    workers hold the checkpoint's float32 bias bit for bit, and every other tensor in bf16 as the
+    policy exports it."""
+    cfg, _ = make_cfg("policy.model_path=tiny://glm4_moe", "policy.num_workers=2", "policy.expert_parallel_size=2",
+                      "policy.precision=bf16", "generation.precision=bf16", "policy.micro_batch_size=4",
+                      "generation.num_workers=1")
+    model_dir = resolve_model_dir(cfg)
+    workers = start_workers(cfg, str(model_dir))
+    try:
+        input_ids = torch.randint(0, 300, (8, 12), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones(input_ids.shape)
+        workers.policy.train(Batch({"input_ids": input_ids, "loss_mask": mask}), batch_totals(mask), NextTokenNLL())
+        RefitDriver(cfg, workers.policy, workers.generation, workers.placement_group, sleepers=[]).sync()
+        exported, received = workers.policy.export_hf_weights(), workers.generation.weights()[0]
+    finally:
+        workers.shutdown()
+    biases = {n: t for n, t in load_file(model_dir / "model.safetensors").items() if n.endswith("e_score_correction_bias")}
+    assert biases and set(received) == set(exported)
+    for name, tensor in exported.items():
+        expected = biases.get(name, tensor)
+        assert received[name].dtype == (torch.float32 if name in biases else torch.bfloat16), name
+        assert tensor.dtype == received[name].dtype and torch.equal(received[name], expected), name

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan, Slot
+from rlkit.refit.receiver import ObjectStoreReceiver
 
 MIXED = [  # interleaved dtypes so the per-dtype regions have to reorder them
     ("model.embed.weight", (3, 5), "float32"),
@@ -165,6 +166,16 @@ def test_transfer_dtype_and_keep_fp32():
     for name, tensor in tensors.items():
         expected = tensor.to(getattr(torch, wire[name]))
         assert received[name].dtype == expected.dtype and bits(received[name]) == bits(expected), name
+
+
+def test_receiver_refuses_float32_into_a_narrower_tensor():
+    plan = RefitPlan.build([("w", (2,), "float32"), ("b", (2,), "float32")], bucket_bytes=1 << 20,
+                           transfer_dtype="bfloat16", keep_fp32=("b",))
+    held = {"w": torch.zeros(2, dtype=torch.bfloat16), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    with pytest.raises(RefitIntegrityError, match=r"refit.keep_fp32: worker 0 holds \['b'\] in torch.bfloat16"):
+        ObjectStoreReceiver(held, "worker 0").begin(plan, verify_checksums=False)
+    held["b"] = torch.zeros(2)
+    ObjectStoreReceiver(held, "worker 0").begin(plan, verify_checksums=False)
 
 
 def test_corrupted_byte_names_bucket_and_tensor():

@@ -3,7 +3,7 @@
 import torch
 
 from rlkit.data.generation import Generations, SamplingParams
-from rlkit.models.checkpoint_names import checkpoint_named_parameters
+from rlkit.models.checkpoint_names import checkpoint_tensors
 from rlkit.models.tokenizer import load_tokenizer
 from rlkit.refit.plan import PackedBucket, RefitPlan, bucket_checksum
 from rlkit.refit.receiver import ObjectStoreReceiver
@@ -23,9 +23,10 @@ class HFGenerationWorker(GenerationWorker):
         self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
         tokenizer = load_tokenizer(model_dir)
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-        # under the checkpoint's names, as the exporter sends them (fused MoE experts as views, tied weights once)
-        self._params = checkpoint_named_parameters(self.model)
-        self.receiver = ObjectStoreReceiver(self._params, f"generation worker {rank}")
+        # the checkpoint's tensors under its names, as the exporter sends them (persistent buffers such as an
+        # expert bias included, fused MoE experts as views, tied weights once)
+        self._tensors = checkpoint_tensors(self.model)
+        self.receiver = ObjectStoreReceiver(self._tensors, f"generation worker {rank}")
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations:
@@ -67,10 +68,10 @@ class HFGenerationWorker(GenerationWorker):
 
     def weights(self) -> dict:
         """HF-named tensors as this worker holds them (tests compare them bit for bit)."""
-        return {n: p.detach().clone() for n, p in self._params.items()}
+        return {n: p.detach().clone() for n, p in self._tensors.items()}
 
     def weight_checksums(self) -> dict[str, int]:
-        return {n: bucket_checksum(p.detach().contiguous().view(-1).view(torch.uint8)) for n, p in self._params.items()}
+        return {n: bucket_checksum(p.detach().contiguous().view(-1).view(torch.uint8)) for n, p in self._tensors.items()}
 
     def sleep(self) -> None:
         pass  # nothing to release on CPU
