@@ -67,16 +67,19 @@ def _first_fit_decreasing(sequences: list[tuple], capacity: int) -> list[list[tu
     return rows
 
 
-def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[R, 1, L, L] bool from segment_ids [R, L], Megatron's convention (True = masked out).
+def packed_attention_mask(segment_ids: torch.Tensor, query_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, 1, Q, L] bool from segment_ids [R, L], Megatron's convention (True = masked out): the
+    rows of the queries at query_positions [Q] (a context-parallel rank's share), every position if None.
 
     Query i attends key j iff j <= i and both are in the same (non-padding) sequence. A padding query
     attends itself only, so no softmax row is fully masked (which would give NaN).
     """
-    length = segment_ids.shape[1]
-    same_sequence = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] != 0)
-    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
-    itself = torch.eye(length, dtype=torch.bool, device=segment_ids.device)
+    keys = torch.arange(segment_ids.shape[1], device=segment_ids.device)
+    queries = keys if query_positions is None else query_positions.to(segment_ids.device)
+    query_segments = segment_ids[:, queries, None]
+    same_sequence = (query_segments == segment_ids[:, None, :]) & (query_segments != 0)
+    causal = keys[None, :] <= queries[:, None]
+    itself = keys[None, :] == queries[:, None]
     return ~((same_sequence & causal) | itself).unsqueeze(1)
 
 

@@ -5,7 +5,9 @@ device, the CUDA RNG tracker, a causal mask built with device="cuda", the MoE al
 dispatcher's device-to-host copies (on a side stream, of counts it then needs as numpy arrays),
 and DDP/optimizer/pipeline-schedule code that allocates with device="cuda" or asserts
 `grad.type()` is a CUDA type. `enable()` points the first four at the CPU and installs a
-TorchFunctionMode that maps every "cuda" device argument to "cpu" for the rest. Measured overhead
+TorchFunctionMode that maps every "cuda" device argument to "cpu" for the rest, and drops the
+pinned-memory requests (RotaryEmbedding's context-parallel split pins its chunk indices) that a
+CPU-only build refuses. Measured overhead
 is within noise.
 """
 
@@ -29,6 +31,7 @@ class _CudaAsCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _to_cpu(kwargs["device"])
+        kwargs.pop("pin_memory", None)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
