@@ -156,16 +156,17 @@ def validate(cfg: RootConfig) -> None:
                           f"{['tiny://' + x for x in ARCHITECTURES]}")
     _positive(("policy.num_workers", p.num_workers), ("policy.tensor_parallel_size", p.tensor_parallel_size),
               ("policy.pipeline_parallel_size", p.pipeline_parallel_size),
+              ("policy.context_parallel_size", p.context_parallel_size),
               ("policy.expert_parallel_size", p.expert_parallel_size),
               ("policy.micro_batch_size", p.micro_batch_size),
               ("policy.train_global_batch_size", p.train_global_batch_size),
               ("cluster.num_cpus", cfg.cluster.num_cpus), ("algorithm.val_every", a.val_every),
               ("algorithm.num_steps", a.num_steps))
-    model_parallel = p.tensor_parallel_size * p.pipeline_parallel_size
+    model_parallel = p.tensor_parallel_size * p.pipeline_parallel_size * p.context_parallel_size
     if p.num_workers % model_parallel:
         raise ConfigError(f"policy.num_workers: must be a multiple of policy.tensor_parallel_size x "
-                          f"policy.pipeline_parallel_size = {model_parallel} (got: {p.num_workers}); "
-                          f"set it to a multiple of {model_parallel}")
+                          f"policy.context_parallel_size x policy.pipeline_parallel_size = {model_parallel} "
+                          f"(got: {p.num_workers}); set it to a multiple of {model_parallel}")
     _choice("policy.offload", p.offload, OFFLOAD_MODES)
     if p.max_tokens_per_microbatch < 0:
         raise ConfigError(f"policy.max_tokens_per_microbatch: must be >= 0 (got: {p.max_tokens_per_microbatch}); "
@@ -189,6 +190,7 @@ def validate(cfg: RootConfig) -> None:
             raise ConfigError(f"policy.tensor_parallel_size: must divide the model's {count} {name} "
                               f"(got: {p.tensor_parallel_size}); pick a divisor of {count}")
     _validate_expert_parallel(p, dp, shape.experts)
+    _validate_context_parallel(p, shape.experts)
     if algorithm.rollouts:
         _validate_rollout_transport(cfg)
     _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
@@ -226,6 +228,21 @@ def _validate_expert_parallel(p: PolicyConfig, dp: int, experts: int) -> None:
         raise ConfigError(f"policy.expert_parallel_size: must divide the data-parallel size policy.num_workers / "
                           f"(TP x PP) = {dp} (got: {ep}); set policy.num_workers to a multiple of "
                           f"TP x PP x EP = {p.tensor_parallel_size * p.pipeline_parallel_size * ep}")
+
+
+def _validate_context_parallel(p: PolicyConfig, experts: int) -> None:
+    """rlkit's context-parallel attention is SDPAttention's (rlkit/bridge/context_parallel.py);
+    with MoE layers it is untested, so refused rather than trusted."""
+    cp = p.context_parallel_size
+    if cp == 1:
+        return
+    if p.attention_backend != "sdpa":
+        raise ConfigError(f"policy.context_parallel_size: context parallelism needs policy.attention_backend=sdpa "
+                          f"(got: {p.attention_backend!r} with context_parallel_size={cp}); set "
+                          f"policy.attention_backend=sdpa or policy.context_parallel_size=1")
+    if experts:
+        raise ConfigError(f"policy.context_parallel_size: {p.model_path} is an MoE model, which rlkit does not "
+                          f"train with context parallelism yet (got: {cp}); set policy.context_parallel_size=1")
 
 
 def _validate_prompts(d: PromptDataConfig) -> None:

@@ -161,6 +161,18 @@ ERRORS = [
      "policy.expert_parallel_size", ["must divide the data-parallel size", "= 2 (got: 4)",
                                      "policy.num_workers to a multiple of TP x PP x EP = 4"],
      ["policy.model_path=tiny://qwen3_moe", "policy.expert_parallel_size=2"]),
+    # context parallelism: a factor of the layout, only with rlkit's sdpa attention, not for MoE models (untested)
+    ("cp-zero", ["policy.context_parallel_size=0"], "policy.context_parallel_size", ["must be >= 1", "(got: 0)"],
+     ["policy.context_parallel_size=1"]),
+    ("workers-not-multiple-cp", ["policy.context_parallel_size=2", "policy.num_workers=3"], "policy.num_workers",
+     ["must be a multiple of", "policy.context_parallel_size x policy.pipeline_parallel_size = 2", "(got: 3)"],
+     ["policy.context_parallel_size=2", "policy.num_workers=2"]),
+    ("cp-local-attention", ["policy.context_parallel_size=2", "policy.attention_backend=local"],
+     "policy.context_parallel_size", ["needs policy.attention_backend=sdpa", "(got: 'local'"],
+     ["policy.context_parallel_size=2", "policy.attention_backend=sdpa"]),
+    ("cp-moe", ["policy.model_path=tiny://qwen3_moe", "policy.context_parallel_size=2"], "policy.context_parallel_size",
+     ["tiny://qwen3_moe is an MoE model", "(got: 2)", "set policy.context_parallel_size=1"],
+     ["policy.model_path=tiny://qwen3_moe", "policy.context_parallel_size=1"]),
     # the recipe turns the warm start on (40 SFT steps); 48 is not a multiple of DP (2) x mbs (16) = 32
     ("warm-start-batch-not-divisible", ["algorithm.warm_start.batch_size=48"], "algorithm.warm_start.batch_size",
      ["divisible by DP (2) x policy.micro_batch_size (16)", "(got: 48)"], ["algorithm.warm_start.batch_size=96"]),

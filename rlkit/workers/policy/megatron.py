@@ -1,9 +1,12 @@
-"""Megatron-Core model worker: one Ray actor per rank of a TP x PP x DP grid. It hosts the policy
+"""Megatron-Core model worker: one Ray actor per rank of a TP x CP x PP x DP grid. It hosts the policy
 (head="lm": outputs token logprobs) or PPO's critic (head="value": the same GPTModel with a scalar
 value head, its trunk initialised from the policy checkpoint).
 
 Each call that takes a Batch receives this rank's DP shard; the controller gathers results
-from the output ranks (TP rank 0 on the last pipeline stage) of each DP group. A step's rollout
+from the output ranks (TP and CP rank 0 on the last pipeline stage) of each DP group. Under context
+parallelism every rank of a CP group holds the same shard, runs the model on its share of each
+row's tokens (rlkit/bridge/context_parallel.py) and gathers the per-token outputs back, so the
+losses and every result are the whole rows', as at CP=1. A step's rollout
 is held here (hold): logprobs, values and token-level advantages are computed into the held
 shard where it lives, and training reads it, so token tensors cross the controller once.
 """
@@ -17,6 +20,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from rlkit.bridge.context_parallel import gather_sequence, padded_length, positions_on_rank, share_of_rank
 from rlkit.config.schema import ConfigError, PolicyConfig
 from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.micro_batches import LENGTH_MASKS, micro_batches, restore_rows
@@ -66,6 +70,7 @@ class MegatronModelWorker:
 
         mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel_size,
                                       pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+                                      context_parallel_size=cfg.context_parallel_size,
                                       expert_model_parallel_size=cfg.expert_parallel_size)
         self.mpu = mpu
         torch.manual_seed(seed)
@@ -117,7 +122,8 @@ class MegatronModelWorker:
     def layout(self) -> dict:
         m = self.mpu
         return {"rank": self.rank, "tp": m.get_tensor_model_parallel_rank(),
-                "pp": m.get_pipeline_model_parallel_rank(), "dp": m.get_data_parallel_rank(),
+                "pp": m.get_pipeline_model_parallel_rank(), "cp": m.get_context_parallel_rank(),
+                "dp": m.get_data_parallel_rank(),
                 "is_output": self._is_output()}
 
     def device_name(self) -> str | None:
@@ -209,21 +215,50 @@ class MegatronModelWorker:
         return {"copied_bytes": copied, "seconds": seconds}
 
     # ---- forward / backward ------------------------------------------------------------
+    def _share(self, x: torch.Tensor) -> torch.Tensor:
+        """This CP rank's share of a [b, S, ...] tensor's positions (the whole of it at CP=1)."""
+        return share_of_rank(x, self.mpu.get_context_parallel_world_size(), self.mpu.get_context_parallel_rank())
+
+    def _token_aligned(self, per_position: torch.Tensor, width: int) -> torch.Tensor:
+        """[b, width] from this CP rank's share of per-position outputs (position t: about token
+        t + 1): the whole rows gathered over CP (their padding dropped), shifted one right so that
+        position t holds the output for token t; position 0 has none and holds 0. Every CP rank
+        computes the same loss from the result, so each keeps its own share of its gradient."""
+        whole = gather_sequence(per_position, self.mpu.get_context_parallel_group(), sum_grads=False, dim=1)
+        return torch.nn.functional.pad(whole[:, :width - 1], (1, 0))
+
     def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Token-aligned logprobs [b, S]: position t holds log p(input_ids[t] | input_ids[:t]);
-        position 0 has no prediction and holds 0. logits are vocab-parallel [b, S, V/TP]."""
+        position 0 has no prediction and holds 0. logits are vocab-parallel [b, S / CP, V/TP] of
+        this CP rank's positions."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        shifted = logits[:, :-1].float() / self.temperature
-        logprobs = -vocab_parallel_cross_entropy(shifted.contiguous(), input_ids[:, 1:].contiguous())
-        return torch.nn.functional.pad(logprobs, (1, 0))
+        next_ids = self._share(torch.nn.functional.pad(input_ids[:, 1:], (0, 1)))  # the last predicts nothing read
+        logprobs = -vocab_parallel_cross_entropy((logits.float() / self.temperature).contiguous(), next_ids)
+        return self._token_aligned(logprobs, input_ids.shape[1])
 
-    def _token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+    def _token_entropy(self, logits: torch.Tensor, width: int) -> torch.Tensor:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         with torch.no_grad():
-            full = gather_from_tensor_model_parallel_region(logits[:, :-1].float() / self.temperature)
-            return torch.nn.functional.pad(entropy_from_logits(full), (1, 0))
+            full = gather_from_tensor_model_parallel_region(logits.float() / self.temperature)
+            return self._token_aligned(entropy_from_logits(full), width)
+
+    def _model_inputs(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Tokens, positions and attention mask of this CP rank's share of a micro-batch's rows, each
+        row padded to a multiple of 2 x CP (nothing read depends on the padding: causal attention,
+        and a packed row's padding is segment 0). The mask is None for right-padded rows (the
+        default causal mask is exact), else the rows of this rank's queries."""
+        tokens = mb["input_ids"]
+        if "segment_ids" not in mb:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            return self._share(tokens), self._share(positions), None
+        # packed rows: attention stays inside each sequence
+        cp_size, cp_rank = self.mpu.get_context_parallel_world_size(), self.mpu.get_context_parallel_rank()
+        length = padded_length(tokens.shape[1], cp_size)
+        segment_ids = torch.nn.functional.pad(mb["segment_ids"], (0, length - tokens.shape[1]))
+        attention_mask = packed_attention_mask(segment_ids, positions_on_rank(length, cp_size, cp_rank))
+        return self._share(tokens), self._share(mb["position_ids"]), attention_mask
 
     def _run(self, batch: Batch, chunks: list, loss_fn: Callable, forward_only: bool) -> tuple[list[dict], list[int]]:
         """Run the Megatron schedule over micro-batches of this rank's shard (rlkit/data/
@@ -245,12 +280,7 @@ class MegatronModelWorker:
 
         def forward_step(data_iterator: Iterator[Batch], model):
             mb = Batch({k: v.to(device, non_blocking=True) for k, v in next(data_iterator).tensors.items()})
-            tokens = mb["input_ids"]
-            if "segment_ids" in mb:  # packed rows: attention stays inside each sequence
-                positions, attention_mask = mb["position_ids"], packed_attention_mask(mb["segment_ids"])
-            else:  # right-padded rows: the default causal mask is exact
-                positions, attention_mask = torch.arange(tokens.shape[1], device=device).expand_as(tokens), None
-            output = model(tokens, positions, attention_mask)
+            output = model(*self._model_inputs(mb))
             return output, lambda out: scaled(loss_fn(out, micro_batch=mb))
 
         # seq_length and micro_batch_size size the pipeline's messages; variable_seq_lengths (set
@@ -266,7 +296,7 @@ class MegatronModelWorker:
         value of the state before token t (the prefix input_ids[:t]), aligned like the logprobs."""
         if self.head == "lm":
             return self._token_logprobs(output, input_ids)
-        return torch.nn.functional.pad(output[:, :-1, 0].float(), (1, 0))
+        return self._token_aligned(output[..., 0].float(), input_ids.shape[1])
 
     def _forward_with(self, batch: Batch, chunks: list) -> torch.Tensor | None:
         def loss_fn(output, micro_batch):
@@ -301,7 +331,8 @@ class MegatronModelWorker:
             value, sums = objective(self._head_output(output, micro_batch["input_ids"]), micro_batch, totals)
             sums = {k: v.item() for k, v in sums.items()}
             if self.head == "lm":
-                sums["entropy"] = (self._token_entropy(output) * micro_batch[objective.mask_key]).sum().item()
+                entropy = self._token_entropy(output, micro_batch["input_ids"].shape[1])
+                sums["entropy"] = (entropy * micro_batch[objective.mask_key]).sum().item()
             sums["loss"] = value.item()
             return value, sums
 
@@ -387,7 +418,8 @@ class MegatronModelWorker:
         return {k: sum(o[k] for o in outputs) for k in outputs[0]} if outputs and self._is_output() else None
 
     def _is_output(self) -> bool:
-        return self.mpu.get_tensor_model_parallel_rank() == 0 and self.mpu.is_pipeline_last_stage()
+        return (self.mpu.get_tensor_model_parallel_rank() == 0 and self.mpu.get_context_parallel_rank() == 0
+                and self.mpu.is_pipeline_last_stage())
 
     def _reduce_over_data_parallel(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if self.mpu.get_data_parallel_world_size() == 1:
