@@ -77,15 +77,18 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, reduce=w
 
 
 def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float,
-                            group_size: int | None = None, eps: float = 1e-8, reduce=whole_batch) -> torch.Tensor:
+                            group_size: int | None = None, eps: float = 1e-8, reduce=whole_batch,
+                            gamma: float = 1.0) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): token-level returns, whitened over the batch.
 
     rewards: [B] scalar reward per sample; mask: [B, S] response tokens (token-aligned, may have
     holes for multi-turn observation tokens); kl: [B, S] per-token KL estimate to the reference
     policy (unmasked entries may hold inf/nan), or None for no KL penalty.
     Token reward = -kl_coef * kl_t on masked tokens, plus the sample's reward at its last masked
-    token. A_t = sum of token rewards at masked positions >= t (undiscounted return-to-go), then
-    whitened over all masked tokens of the batch (see whiten; fewer than 2 masked tokens give 0).
+    token. A_t = sum over masked t' >= t of gamma^k(t, t') * reward_t', k the number of masked
+    tokens after t up to t' (the discounted return-to-go: only masked tokens are steps, as in
+    gae_advantages; gamma = 1 is the paper's undiscounted return), then whitened over all masked
+    tokens of the batch (see whiten; fewer than 2 masked tokens give 0).
     group_size (REINFORCE++-baseline) first subtracts each group's mean reward; a zero-length
     sample still counts in its group's mean (over shards: centre on the controller, pass None).
     Rows with no masked token get 0. Returns [B, S] float32.
@@ -95,9 +98,15 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, kl: torch
     kl_rewards = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
     if kl is not None:
         kl_rewards = torch.where(keep, -kl_coef * kl.float(), kl_rewards)
-    kl_returns = kl_rewards.flip(1).cumsum(dim=1).flip(1)  # unmasked positions add 0
-    # the last masked token is at or after every masked t, so every return-to-go holds the reward once
-    return whiten(kl_returns + scalar.unsqueeze(1), mask, eps, reduce)
+    # float64, as torch's cumsum accumulates: long responses do not drift
+    running, kl_returns = torch.zeros(keep.shape[0], dtype=torch.float64, device=keep.device), []
+    for t in reversed(range(keep.shape[1])):  # unmasked positions neither add nor discount
+        running = torch.where(keep[:, t], kl_rewards[:, t].double() + gamma * running, running)
+        kl_returns.append(running)
+    kl_returns = torch.stack(kl_returns[::-1], dim=1).float()
+    # the reward sits on the last masked token: discounted once per masked token after t
+    steps_after = keep.float().flip(1).cumsum(dim=1).flip(1) - keep.float()
+    return whiten(kl_returns + scalar.unsqueeze(1) * gamma ** steps_after, mask, eps, reduce)
 
 
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,

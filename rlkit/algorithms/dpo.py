@@ -1,5 +1,5 @@
-"""DPO / IPO on (prompt, chosen, rejected) file rows against the frozen starting policy. One
-step = one optimizer step on policy.train_global_batch_size / 2 pairs. An optional SFT warm
+"""DPO and its variants (IPO, hinge, robust) on (prompt, chosen, rejected) file rows against the
+frozen starting policy. One step = one optimizer step on policy.train_global_batch_size / 2 pairs. An optional SFT warm
 start on the chosen responses (algorithm.warm_start) becomes both the start and the reference."""
 
 import functools
@@ -115,9 +115,10 @@ def validate(cfg: RootConfig, dp: int) -> None:
     if not 0 <= a.label_smoothing < 0.5:
         raise ConfigError(f"algorithm.label_smoothing: must lie in [0, 0.5) (got: {a.label_smoothing}); "
                           f"0 is plain DPO")
-    if a.loss_type == "ipo" and a.label_smoothing > 0:
-        raise ConfigError(f"algorithm.label_smoothing: applies to the sigmoid loss only (got: {a.label_smoothing} "
-                          f"with loss_type=ipo); set it to 0 or use loss_type=sigmoid")
+    if a.loss_type in ("ipo", "hinge") and a.label_smoothing > 0:
+        raise ConfigError(f"algorithm.label_smoothing: applies to the sigmoid loss only (cDPO) and its robust "
+                          f"variant (got: {a.label_smoothing} with loss_type={a.loss_type}); set it to 0 or use "
+                          f"loss_type=sigmoid or robust")
     if a.sft_weight < 0:
         raise ConfigError(f"algorithm.sft_weight: must be >= 0 (got: {a.sft_weight}); 0 disables the SFT term")
     validate_warm_start(cfg, dp)

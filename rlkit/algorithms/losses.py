@@ -13,32 +13,78 @@ import torch.nn.functional as F
 
 from rlkit.data.batch import BatchTotals
 
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, totals: BatchTotals) -> torch.Tensor:
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, totals: BatchTotals,
+              max_response_tokens: int | None = None) -> torch.Tensor:
     """Reduce per-token values [B, S] to this micro-batch's share of the batch loss.
 
-    token-mean:          sum over all tokens / total tokens in the batch (DAPO)
-    seq-mean-token-mean: mean over sequences of each sequence's token mean (GRPO paper)
-    seq-mean-token-sum:  mean over sequences of each sequence's token sum (Dr.GRPO)
+    token-mean:              sum over all tokens / total tokens in the batch (DAPO)
+    token-sum:               sum over all tokens (scales with the batch's token count)
+    seq-mean-token-mean:     mean over sequences of each sequence's token mean (GRPO paper)
+    seq-mean-token-sum:      mean over sequences of each sequence's token sum
+    seq-mean-token-sum-norm: seq-mean-token-sum / max_response_tokens (Dr.GRPO, Liu et al. 2025,
+                             arXiv:2503.20783; TRL's dr_grpo): a constant normaliser, the most
+                             response tokens a sample can have, so no sequence's weight depends on
+                             its own length or on the batch's lengths
+
+    Sequence means divide by totals.num_sequences, which counts every sample of the batch: an
+    empty response (no masked token) is a sequence whose token sum and token mean are 0, so it
+    adds 0 to the numerator and 1 to the denominator (verl leaves such rows out of the count).
     """
     masked = torch.where(mask.bool(), values, torch.zeros_like(values))  # padding may hold inf
     if mode == "token-mean":
         return masked.sum() / max(totals.num_tokens, 1.0)
+    if mode == "token-sum":
+        return masked.sum()
     if mode == "seq-mean-token-mean":
         per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
         return per_seq.sum() / max(totals.num_sequences, 1.0)
     if mode == "seq-mean-token-sum":
         return masked.sum() / max(totals.num_sequences, 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        if not max_response_tokens:
+            raise ValueError("seq-mean-token-sum-norm needs max_response_tokens, its constant normaliser")
+        return masked.sum() / (max(totals.num_sequences, 1.0) * max_response_tokens)
     raise ValueError(f"unknown loss aggregation '{mode}'; choose one of {LOSS_AGGREGATIONS}")
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl")
 
 
 def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate k3 = exp(ref - lp) - (ref - lp) - 1 (Schulman 2020):
-    unbiased and always >= 0."""
-    log_ratio = reference_logprobs - logprobs
-    return torch.exp(log_ratio) - log_ratio - 1.0
+    unbiased and always >= 0. Clamped as verl clamps it: ref - lp to [-20, 20] before the exp,
+    the estimate to at most 10. Where a clamp binds the gradient is 0 (ref - lp = 4 gives 10, not
+    49.6 with gradient -53.6), so one token far from the reference cannot dominate the step."""
+    log_ratio = torch.clamp(reference_logprobs - logprobs, -20.0, 20.0)
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
+
+
+def kl_estimate(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from the sampled token's logprobs (Schulman 2020,
+    http://joschu.net/blog/kl-approx.html), with x = lp - ref; same shape as the inputs.
+
+    k1:         x (unbiased, can be negative; summed over a response: its sequence log-ratio)
+    k2:         x^2 / 2 (biased, >= 0; its gradient is the KL's gradient in expectation)
+    abs:        |x|
+    k3:         exp(-x) + x - 1, clamped (see kl_k3; unbiased, >= 0, low variance)
+    low_var_kl: verl's name for the same clamped k3, so verl settings carry over
+    """
+    log_ratio = logprobs - reference_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "abs":
+        return log_ratio.abs()
+    if estimator in ("k3", "low_var_kl"):
+        return kl_k3(logprobs, reference_logprobs)
+    raise ValueError(f"unknown KL estimator '{estimator}'; choose one of {KL_ESTIMATORS}")
+
+
+IMPORTANCE_RATIOS = ("token", "sequence")
 
 
 @dataclass(frozen=True)
@@ -47,18 +93,33 @@ class ClippedPolicyLossConfig:
     clip_high: float  # ratio upper bound is 1 + clip_high (DAPO clip-higher)
     kl_coef: float  # 0 disables the KL term
     aggregation: str
+    dual_clip_c: float | None = None  # dual-clip: for A < 0 the loss is at most -c A; None disables it
+    kl_estimator: str = "k3"  # one of KL_ESTIMATORS
+    importance_ratio: str = "token"  # token (PPO) | sequence (GSPO)
+    max_response_tokens: int | None = None  # seq-mean-token-sum-norm's constant normaliser
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                         mask: torch.Tensor, cfg: ClippedPolicyLossConfig, totals: BatchTotals,
                         reference_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate with separate low/high clip (DAPO, Yu et al. 2025, arXiv:2503.14476)
-    plus an optional k3 KL penalty to a reference policy.
+    plus an optional KL penalty to a reference policy.
 
-    loss_t = -min(r_t A, clip(r_t, 1-clip_low, 1+clip_high) A) + kl_coef * k3_t,  r_t = exp(lp - old_lp)
+    loss_t = -min(r_t A, clip(r_t, 1-clip_low, 1+clip_high) A) + kl_coef * kl_t
+    r_t: importance_ratio "token": exp(lp_t - old_lp_t);
+         "sequence": GSPO (Zheng et al. 2025, arXiv:2507.18071), the geometric mean of the
+         sequence's token ratios exp(mean over its masked tokens of lp - old_lp), the same for
+         every token of the sequence and clipped as a whole (GSPO uses clip_low 3e-4, clip_high
+         4e-4); with seq-mean-token-mean aggregation this is GSPO's sequence objective.
+    dual_clip_c (Ye et al. 2019, arXiv:1912.09729): where A < 0 the loss is at most -c A, so a
+         token whose ratio has grown far above 1 gives a bounded loss and no gradient (c > 1).
+    kl_t: kl_estimate(lp, ref, kl_estimator).
     advantages: [B] (one per sample) or [B, S]. Returns (loss, sums) where sums are masked token
-    sums (clipped tokens, importance ratio, kl) for metrics; divide by the batch's token count to get means.
+    sums (clipped tokens, dual-clipped tokens, importance ratio, kl) for metrics; divide by the
+    batch's token count to get means.
     """
+    if cfg.importance_ratio not in IMPORTANCE_RATIOS:
+        raise ValueError(f"unknown importance ratio '{cfg.importance_ratio}'; choose one of {IMPORTANCE_RATIOS}")
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logprobs)
     keep = mask.bool()
@@ -67,19 +128,27 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
                                           for x in (logprobs, old_logprobs, advantages))
     if reference_logprobs is not None:
         reference_logprobs = torch.where(keep, reference_logprobs, torch.zeros_like(reference_logprobs))
-    ratio = torch.exp(logprobs - old_logprobs)
+    log_ratio = logprobs - old_logprobs
+    if cfg.importance_ratio == "sequence":
+        log_ratio = sequence_logprobs(log_ratio, mask, average=True).unsqueeze(1).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
     sums = {"clipped_tokens": ((clipped < unclipped) & keep).float().sum().detach(),
             "ratio": torch.where(keep, ratio, torch.zeros_like(ratio)).sum().detach()}
+    if cfg.dual_clip_c is not None:
+        bound = -cfg.dual_clip_c * advantages
+        dual_clipped = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(dual_clipped, bound, per_token)
+        sums["dual_clipped_tokens"] = (dual_clipped & keep).float().sum().detach()
     if cfg.kl_coef > 0:
         if reference_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference_logprobs")
-        kl = kl_k3(logprobs, reference_logprobs)
+        kl = kl_estimate(logprobs, reference_logprobs, cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl
         sums["kl"] = torch.where(keep, kl, torch.zeros_like(kl)).sum().detach()
-    return aggregate(per_token, mask, cfg.aggregation, totals), sums
+    return aggregate(per_token, mask, cfg.aggregation, totals, cfg.max_response_tokens), sums
 
 
 def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor, totals: BatchTotals) -> tuple[torch.Tensor, dict]:
@@ -95,14 +164,14 @@ def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, average:
     return total / keep.sum(dim=1).clamp(min=1) if average else total
 
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 
 
 @dataclass(frozen=True)
 class DPOLossConfig:
     beta: float  # strength of the implicit KL penalty to the reference policy
-    label_smoothing: float  # cDPO: assumed probability that a preference label is flipped (sigmoid only)
-    loss_type: str  # "sigmoid" (DPO) | "ipo"
+    label_smoothing: float  # assumed probability that a preference label is flipped (sigmoid: cDPO; robust)
+    loss_type: str  # one of DPO_LOSS_TYPES
     sft_weight: float  # weight of an NLL term on the chosen responses, added by the caller
 
 
@@ -112,12 +181,20 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, reference
     """Direct preference loss per pair. Inputs: [P] sequence logprobs (see sequence_logprobs) of the
     policy and the reference on each pair's chosen and rejected response.
 
-    h = (chosen - ref_chosen) - (rejected - ref_rejected)
-    sigmoid: DPO (Rafailov et al. 2023, arXiv:2305.18290) with conservative label smoothing eps
-             (cDPO, Mitchell 2023): -(1 - eps) * logsigmoid(beta h) - eps * logsigmoid(-beta h)
+    h = (chosen - ref_chosen) - (rejected - ref_rejected), z = beta h, eps = label_smoothing
+    sigmoid: DPO (Rafailov et al. 2023, arXiv:2305.18290) with conservative label smoothing
+             (cDPO, Mitchell 2023): -(1 - eps) * logsigmoid(z) - eps * logsigmoid(-z), the
+             binary cross-entropy of sigmoid(z) against the soft label 1 - eps: each pair's loss
+             mixes the loss of the label as given and of the label flipped. eps = 0 is DPO.
+    robust:  robust DPO (Chowdhury et al. 2024, arXiv:2403.00409), an unbiased loss under labels
+             flipped with probability eps: (-(1 - eps) * logsigmoid(z) + eps * logsigmoid(-z)) /
+             (1 - 2 eps), eps < 1/2. eps = 0 is DPO.
+    hinge:   SLiC (Zhao et al. 2023, arXiv:2305.10425): max(0, 1 - z); label_smoothing unused.
     ipo:     IPO (Azar et al. 2023, arXiv:2310.12036): (h - 1 / (2 beta))^2, label_smoothing unused.
              Pass per-token-averaged logprobs (average=True) so the target does not scale with length.
-    cfg.sft_weight is not applied here: the caller adds sft_weight * NLL of the chosen responses.
+    Smoothing acts on each pair's loss, before the caller averages over pairs; the metrics
+    below do not depend on it. cfg.sft_weight is not applied here: the caller adds
+    sft_weight * NLL of the chosen responses.
     Returns (loss [P], metrics of detached [P] tensors); the caller aggregates both. Metrics:
     reward_chosen = beta (chosen - ref_chosen), reward_rejected likewise, reward_margin = their
     difference, accuracy = 1 where the margin is > 0.
@@ -127,10 +204,13 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, reference
     chosen_log_ratio = chosen_logps - reference_chosen_logps
     rejected_log_ratio = rejected_logps - reference_rejected_logps
     log_ratio_margin = chosen_log_ratio - rejected_log_ratio  # h
+    logit, smoothing = cfg.beta * log_ratio_margin, cfg.label_smoothing
     if cfg.loss_type == "sigmoid":
-        logit = cfg.beta * log_ratio_margin
-        smoothing = cfg.label_smoothing
         loss = -(1.0 - smoothing) * F.logsigmoid(logit) - smoothing * F.logsigmoid(-logit)
+    elif cfg.loss_type == "robust":
+        loss = (-(1.0 - smoothing) * F.logsigmoid(logit) + smoothing * F.logsigmoid(-logit)) / (1.0 - 2.0 * smoothing)
+    elif cfg.loss_type == "hinge":
+        loss = torch.relu(1.0 - logit)
     else:
         loss = (log_ratio_margin - 1.0 / (2.0 * cfg.beta)) ** 2
     reward_chosen = (cfg.beta * chosen_log_ratio).detach()
@@ -141,11 +221,13 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, reference
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float, aggregation: str, totals: BatchTotals) -> tuple[torch.Tensor, dict]:
+               clip: float, aggregation: str, totals: BatchTotals,
+               max_response_tokens: int | None = None) -> tuple[torch.Tensor, dict]:
     """PPO clipped value loss: the critic regresses returns without moving far from old_values.
 
     loss_t = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2); clip <= 0 gives
-    0.5 * (V - R)^2. Unmasked positions may hold inf/nan: they get neither loss nor gradient.
+    0.5 * (V - R)^2; aggregated by aggregate (max_response_tokens: the -norm mode's constant).
+    Unmasked positions may hold inf/nan: they get neither loss nor gradient.
     Returns (loss, sums) where sums are detached masked token sums: value_error (of (V - R)^2) and,
     when clipping, value_clipped_tokens (tokens where the clipped term is larger: no gradient).
     """
@@ -160,4 +242,4 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         clipped_error = (old_values + torch.clamp(values - old_values, -clip, clip) - returns).square()
         per_token = torch.maximum(error, clipped_error)
         sums["value_clipped_tokens"] = ((clipped_error > error) & keep).float().sum().detach()
-    return aggregate(0.5 * per_token, mask, aggregation, totals), sums
+    return aggregate(0.5 * per_token, mask, aggregation, totals, max_response_tokens), sums

@@ -16,7 +16,8 @@ from rlkit.data.batch import Batch, BatchTotals
 
 @dataclass(frozen=True)
 class PolicyGradient:
-    """Clipped surrogate on advantages (GRPO, PPO's actor, REINFORCE++, RLOO)."""
+    """Clipped surrogate on advantages (GRPO, PPO's actor, REINFORCE++, RLOO), with the loss's
+    variants (dual-clip, KL estimator, GSPO's sequence ratio, aggregation) in its config."""
 
     loss: ClippedPolicyLossConfig
     mask_key: str = "response_mask"
@@ -46,7 +47,7 @@ class NextTokenNLL:
 
 @dataclass(frozen=True)
 class DirectPreference:
-    """DPO / IPO on pairs. Rows alternate chosen, rejected (every split of the batch is even, so a
+    """DPO and its variants (IPO, hinge, robust) on pairs. Rows alternate chosen, rejected (every split of the batch is even, so a
     pair never straddles two micro-batches); totals.num_sequences counts pairs with a response and
     totals.num_tokens counts chosen response tokens (the optional SFT term's denominator)."""
 
@@ -78,6 +79,7 @@ class ValueRegression:
 
     clip: float
     aggregation: str
+    max_response_tokens: int | None = None  # the seq-mean-token-sum-norm aggregation's constant
     mask_key: str = "response_mask"
 
     @property
@@ -86,4 +88,4 @@ class ValueRegression:
 
     def __call__(self, values: torch.Tensor, batch: Batch, totals: BatchTotals):
         return value_loss(values, batch["old_values"], batch["returns"], batch[self.mask_key], self.clip,
-                          self.aggregation, totals)
+                          self.aggregation, totals, self.max_response_tokens)

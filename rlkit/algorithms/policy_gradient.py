@@ -11,13 +11,14 @@ where each shard is held; only per-sample rewards and metrics come back.
 
 import json
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from omegaconf import MISSING
 
 from rlkit.algorithms.episodes import Episodes, run_episodes
 from rlkit.algorithms.loop import RunContext, TrainingData
-from rlkit.algorithms.losses import LOSS_AGGREGATIONS, ClippedPolicyLossConfig
+from rlkit.algorithms.losses import IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ClippedPolicyLossConfig
 from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
 from rlkit.algorithms.objectives import PolicyGradient
 from rlkit.algorithms.registry import AlgorithmConfig
@@ -43,7 +44,10 @@ class PolicyGradientConfig(AlgorithmConfig):
     group_size: int = MISSING
     clip_low: float = MISSING
     clip_high: float = MISSING
+    dual_clip_c: Optional[float] = MISSING
+    importance_ratio: str = MISSING
     kl_coef: float = MISSING
+    kl_estimator: Optional[str] = MISSING
     loss_aggregation: str = MISSING
     val_greedy: bool = MISSING
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -73,9 +77,14 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
     from rlkit.algorithms.warm_start import validate_warm_start
 
     p, g, a = cfg.policy, cfg.generation, cfg.algorithm
-    if a.loss_aggregation not in LOSS_AGGREGATIONS:
-        raise ConfigError(f"algorithm.loss_aggregation: must be one of {list(LOSS_AGGREGATIONS)} "
-                          f"(got: {a.loss_aggregation!r}); pick one of those")
+    for key, value, choices in [("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS),
+                                ("algorithm.importance_ratio", a.importance_ratio, IMPORTANCE_RATIOS),
+                                ("algorithm.kl_estimator", a.kl_estimator, (None, *KL_ESTIMATORS))]:
+        if value not in choices:
+            raise ConfigError(f"{key}: must be one of {list(choices)} (got: {value!r}); pick one of those")
+    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
+        raise ConfigError(f"algorithm.dual_clip_c: must be > 1, a bound above the clipped ratios (Ye et al. 2019) "
+                          f"(got: {a.dual_clip_c}); e.g. 3.0, or null to turn dual-clip off")
     for key, value in [("generation.num_workers", g.num_workers), ("algorithm.prompts_per_step", a.prompts_per_step),
                        ("generation.max_new_tokens", g.max_new_tokens)]:
         if value < 1:
@@ -101,6 +110,19 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
                           f"of {rollout}")
 
 
+def kl_estimator(a, in_loss: bool) -> str:
+    """algorithm.kl_estimator; null picks the usual one for where the KL goes: k3 as a loss term,
+    k1 as a reward penalty (its sum over a response is the response's log-ratio)."""
+    return a.kl_estimator or ("k3" if in_loss else "k1")
+
+
+def max_response_tokens(cfg: RootConfig) -> int:
+    """The most response tokens one sample can have: seq-mean-token-sum-norm's constant
+    normaliser. Each turn generates at most generation.max_new_tokens, an episode at most
+    env_runner.max_total_tokens."""
+    return min(cfg.generation.max_new_tokens * cfg.env_runner.max_turns, cfg.env_runner.max_total_tokens)
+
+
 def per_sample(advantages):
     """An estimator from a pure function (algorithm config, rewards [B]) -> advantages [B],
     computed on the controller (rewards are there) and sent to the held shards."""
@@ -122,7 +144,8 @@ class PolicyGradientTrainer:
         a, g = cfg.algorithm, cfg.generation
         self.kl_in_loss = self.algorithm.kl_in_loss(a)
         self.objective = PolicyGradient(ClippedPolicyLossConfig(
-            a.clip_low, a.clip_high, a.kl_coef if self.kl_in_loss else 0.0, a.loss_aggregation))
+            a.clip_low, a.clip_high, a.kl_coef if self.kl_in_loss else 0.0, a.loss_aggregation, a.dual_clip_c,
+            kl_estimator(a, in_loss=True), a.importance_ratio, max_response_tokens(cfg)))
         self.sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, seed=cfg.run.seed,
                                        ignore_eos=g.ignore_eos)
         self.policy.set_temperature(g.temperature or 1.0)
@@ -208,6 +231,8 @@ class PolicyGradientTrainer:
                "train/lr": sums["lr"],
                "train/clip_fraction": sums["clipped_tokens"] / tokens, "train/entropy": sums["entropy"] / tokens,
                "train/importance_ratio": sums["ratio"] / tokens}
+        if "dual_clipped_tokens" in sums:
+            out["train/dual_clip_fraction"] = sums["dual_clipped_tokens"] / tokens
         if "kl" in sums:
             out["train/kl"] = sums["kl"] / tokens
         return out

@@ -12,9 +12,10 @@ from omegaconf import MISSING
 
 from rlkit.algorithms import policy_gradient
 from rlkit.algorithms.advantages import explained_variance, gae_advantages, token_rewards, whiten
+from rlkit.algorithms.losses import kl_estimate
 from rlkit.algorithms.lr_schedule import check_learning_rate, schedule_of
 from rlkit.algorithms.objectives import ValueRegression
-from rlkit.algorithms.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer, train_minibatches
+from rlkit.algorithms.policy_gradient import PolicyGradientConfig, PolicyGradientTrainer, kl_estimator, train_minibatches
 from rlkit.algorithms.registry import AlgorithmSpec
 from rlkit.cluster.setup import start_critic
 from rlkit.config.schema import ConfigError
@@ -39,11 +40,13 @@ class PPOConfig(PolicyGradientConfig):
 @dataclass(frozen=True)
 class GAE:
     """On a critic's held shard (values in old_values): whitened GAE advantages and returns, and
-    the explained variance's sums. kl_coef > 0 puts the policy's KL penalty into the rewards."""
+    the explained variance's sums. kl_coef > 0 puts the policy's KL penalty (kl_estimator) into
+    the rewards."""
 
     gamma: float
     lam: float
     kl_coef: float
+    kl_estimator: str
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -51,7 +54,8 @@ class GAE:
 
     def __call__(self, held: Batch, rewards: torch.Tensor, reduce) -> tuple[dict, dict]:
         mask, values = held["response_mask"], held["old_values"]
-        kl_penalty = self.kl_coef * (held["old_logprobs"] - held["reference_logprobs"]) if self.kl_coef > 0 else None
+        kl_penalty = self.kl_coef * kl_estimate(held["old_logprobs"], held["reference_logprobs"], self.kl_estimator) \
+            if self.kl_coef > 0 else None
         advantages, returns = gae_advantages(token_rewards(rewards, mask, kl_penalty), values, mask, self.gamma,
                                              self.lam)
         metrics = {"critic/explained_variance": explained_variance(values, returns, mask, reduce)}
@@ -64,7 +68,7 @@ def estimate(trainer: "PPO", rewards: torch.Tensor) -> dict:
     trainer.critic.forward_held("old_values")
     if kl_coef > 0:
         trainer.critic.extend_held(trainer.policy.export_held("old_logprobs", "reference_logprobs"))
-    sums = trainer.critic.estimate_held(GAE(a.gamma, a.lam, kl_coef), rewards)
+    sums = trainer.critic.estimate_held(GAE(a.gamma, a.lam, kl_coef, kl_estimator(a, in_loss=False)), rewards)
     trainer.policy.extend_held(trainer.critic.export_held("advantages"))
     return sums[0]  # every shard computed the whole batch's explained variance
 
@@ -73,7 +77,8 @@ class PPO(PolicyGradientTrainer):
     def start_critic(self, ctx):
         """Initialised from the checkpoint the policy starts from (after any warm start)."""
         critic, a = start_critic(ctx.cfg, ctx.workers, str(ctx.start_dir)), ctx.cfg.algorithm
-        self.value_objective = ValueRegression(a.critic.value_clip, a.loss_aggregation)
+        self.value_objective = ValueRegression(a.critic.value_clip, a.loss_aggregation,
+                                               policy_gradient.max_response_tokens(ctx.cfg))
         self.critic_lr = schedule_of(ctx.cfg.policy.optimizer, a.num_steps * self.minibatches, lr=a.critic.lr)
         return critic
 

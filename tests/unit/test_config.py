@@ -217,8 +217,8 @@ def test_config_error_names_key_and_fix(overrides, key, fragments, fixed):
 FAMILY_ERRORS = [
     ("dpo-odd-micro-batch", "dpo_tiny_cpu", ["policy.micro_batch_size=1"], "policy.micro_batch_size",
      ["must be even", "(got: 1)"], ["policy.micro_batch_size=4"]),
-    ("dpo-loss-type", "dpo_tiny_cpu", ["algorithm.loss_type=hinge"], "algorithm.loss_type",
-     ["must be one of", "'ipo'", "(got: 'hinge')"], ["algorithm.loss_type=ipo"]),
+    ("dpo-loss-type", "dpo_tiny_cpu", ["algorithm.loss_type=kto"], "algorithm.loss_type",
+     ["must be one of", "'ipo'", "'hinge'", "'robust'", "(got: 'kto')"], ["algorithm.loss_type=ipo"]),
     ("dpo-beta", "dpo_tiny_cpu", ["algorithm.beta=0"], "algorithm.beta", ["must be > 0"], ["algorithm.beta=0.1"]),
     ("dpo-label-smoothing", "dpo_tiny_cpu", ["algorithm.label_smoothing=0.5"], "algorithm.label_smoothing",
      ["[0, 0.5)", "(got: 0.5)"], ["algorithm.label_smoothing=0.1"]),

@@ -13,8 +13,12 @@ from rlkit.workers.policy.megatron import entropy_from_logits
 from token_masks import MASK, with_garbage
 
 
+MAX_RESPONSE_TOKENS = 8  # seq-mean-token-sum-norm's constant in these cases: at least every row's length
+
+
 def cfg(aggregation="token-mean", clip_low=0.2, clip_high=0.28, kl_coef=0.0):
-    return ClippedPolicyLossConfig(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, aggregation=aggregation)
+    return ClippedPolicyLossConfig(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, aggregation=aggregation,
+                                   max_response_tokens=MAX_RESPONSE_TOKENS)
 
 
 # ---- loop references --------------------------------------------------------------------------
@@ -33,6 +37,10 @@ def ref_aggregate(values, mask, mode, num_tokens, num_sequences):
             total += seq_sum
     if mode == "token-mean":
         return total / max(num_tokens, 1.0)
+    if mode == "token-sum":
+        return total
+    if mode == "seq-mean-token-sum-norm":
+        return total / max(num_sequences, 1.0) / MAX_RESPONSE_TOKENS
     return total / max(num_sequences, 1.0)
 
 
@@ -173,7 +181,7 @@ def test_aggregation_hand_computed():
 def test_all_masked_batch_gives_zero_loss_and_finite_grad(aggregation):
     values = torch.randn(2, 4, requires_grad=True)
     mask = torch.zeros(2, 4)
-    loss = aggregate(values, mask, aggregation, batch_totals(mask))
+    loss = aggregate(values, mask, aggregation, batch_totals(mask), MAX_RESPONSE_TOKENS)
     loss.backward()
     assert loss.item() == 0.0
     assert torch.isfinite(values.grad).all() and (values.grad == 0).all()
@@ -361,10 +369,10 @@ def test_dpo_metrics_are_detached():
 def test_dpo_unknown_loss_type_names_the_choices():
     zero = torch.zeros(1)
     with pytest.raises(ValueError) as info:
-        dpo_loss(zero, zero, zero, zero, dpo_cfg("hinge"))
+        dpo_loss(zero, zero, zero, zero, dpo_cfg("kto"))
     for choice in DPO_LOSS_TYPES:
         assert choice in str(info.value)
-    assert "'hinge'" in str(info.value)
+    assert "'kto'" in str(info.value)
 
 
 # ---- value loss -------------------------------------------------------------------------------
@@ -386,7 +394,7 @@ def test_value_loss_matches_loop_reference(aggregation, clip):
     old = values + 0.3 * torch.randn(MASK.shape, generator=gen)
     returns = torch.randn(MASK.shape, generator=gen)
     loss, sums = value_loss(with_garbage(values, MASK), with_garbage(old, MASK), with_garbage(returns, MASK), MASK,
-                            clip, aggregation, batch_totals(MASK))
+                            clip, aggregation, batch_totals(MASK), MAX_RESPONSE_TOKENS)
     per_token, clip_count, error_sum = [], 0.0, 0.0
     for b in range(MASK.shape[0]):
         row = []

@@ -1,0 +1,275 @@
+"""Loss variants against hand-computed cases: KL estimators (k3 clamped as verl clamps it),
+dual-clip, GSPO's sequence ratio, the aggregation modes and how sequence means count empty
+responses, REINFORCE++ with a discount, DPO hinge / robust and cDPO smoothing, and the config
+keys that select them."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlkit.algorithms.advantages import reinforce_pp_advantages, whiten
+from rlkit.algorithms.losses import (KL_ESTIMATORS, ClippedPolicyLossConfig, DPOLossConfig, aggregate,
+                                     clipped_policy_loss, dpo_loss, kl_estimate)
+from rlkit.algorithms.policy_gradient import kl_estimator, max_response_tokens
+from rlkit.config.schema import ConfigError
+from rlkit.data.batch import BatchTotals, batch_totals
+from rlkit.launch.config import load_config
+
+
+def policy_cfg(**changes):
+    return ClippedPolicyLossConfig(**{"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0, "aggregation": "token-mean",
+                                      **changes})
+
+
+# ---- KL estimators ----------------------------------------------------------------------------
+
+# lp = 0, ref = log 2, so x = lp - ref = -log 2: (estimator, value, d value / d lp)
+LOG2 = math.log(2)
+KL_CASES = [("k1", -LOG2, 1.0), ("k2", 0.5 * LOG2 ** 2, -LOG2), ("abs", LOG2, -1.0),
+            ("k3", 1 - LOG2, 1 - 2.0), ("low_var_kl", 1 - LOG2, 1 - 2.0)]
+
+
+@pytest.mark.parametrize("estimator, value, grad", KL_CASES, ids=[c[0] for c in KL_CASES])
+def test_kl_estimators_hand_values_and_gradients(estimator, value, grad):
+    lp = torch.tensor(0.0, requires_grad=True)
+    kl = kl_estimate(lp, torch.tensor(LOG2), estimator)
+    kl.backward()
+    assert kl.item() == pytest.approx(value, abs=1e-6)
+    assert lp.grad.item() == pytest.approx(grad, abs=1e-6)
+    assert {c[0] for c in KL_CASES} == set(KL_ESTIMATORS)
+
+
+# ref - lp: (k3 value, d k3 / d lp), with verl's clamps: ref - lp to [-20, 20], the value to <= 10
+K3_CLAMP_CASES = [
+    (2.0, math.exp(2) - 3, 1 - math.exp(2)),  # no clamp binds: e^2 - 2 - 1, gradient 1 - e^2
+    (4.0, 10.0, 0.0),  # unclamped 49.6 with gradient -53.6; clamped to 10, no gradient
+    (-4.0, math.exp(-4) + 3, 1 - math.exp(-4)),  # below the reference's logprob: small, no clamp
+    (25.0, 10.0, 0.0),  # log-ratio clamped to 20, then the value to 10
+    (-25.0, 10.0, 0.0),  # log-ratio clamped to -20: e^-20 + 19, then the value to 10
+]
+
+
+@pytest.mark.parametrize("estimator", ["k3", "low_var_kl"])
+@pytest.mark.parametrize("ref_minus_lp, value, grad", K3_CLAMP_CASES)
+def test_k3_is_clamped_as_verl_clamps_it(estimator, ref_minus_lp, value, grad):
+    lp = torch.tensor(0.0, requires_grad=True)
+    kl = kl_estimate(lp, torch.tensor(ref_minus_lp), estimator)
+    kl.backward()
+    assert kl.item() == pytest.approx(value, rel=1e-6)
+    assert lp.grad.item() == pytest.approx(grad, rel=1e-6, abs=1e-7)
+
+
+def test_unknown_kl_estimator_names_the_choices():
+    with pytest.raises(ValueError) as info:
+        kl_estimate(torch.zeros(1), torch.zeros(1), "k4")
+    assert "'k4'" in str(info.value) and all(name in str(info.value) for name in KL_ESTIMATORS)
+
+
+def test_policy_loss_uses_the_chosen_estimator():
+    lp, ref, mask = torch.tensor([[0.0, -1.0]]), torch.tensor([[LOG2, -1.5]]), torch.ones(1, 2)
+    sums = {e: clipped_policy_loss(lp, lp, torch.zeros(1), mask, policy_cfg(kl_coef=0.5, kl_estimator=e),
+                                   batch_totals(mask), ref)[1]["kl"].item() for e in ("k1", "k2")}
+    assert sums["k1"] == pytest.approx(-LOG2 + 0.5, abs=1e-6)
+    assert sums["k2"] == pytest.approx(0.5 * LOG2 ** 2 + 0.5 * 0.25, abs=1e-6)
+
+
+# ---- dual-clip --------------------------------------------------------------------------------
+
+# (ratio, advantage, per-token loss with dual_clip_c = 3, dual-clipped?); clip_low 0.2, clip_high 0.28
+DUAL_CASES = [
+    (5.0, -1.0, 3.0, True),     # PPO's loss 5 is capped at -c A = 3: no gradient
+    (4.0, -0.5, 1.5, True),     # 2 capped at 1.5
+    (2.0, -1.0, 2.0, False),    # under the cap: PPO's loss, gradient -r A
+    (5.0, 1.0, -1.28, False),   # positive advantage: dual-clip does not apply (clipped at 1 + clip_high)
+    (0.5, -1.0, 0.8, False),    # clipped at 1 - clip_low, below the cap
+]
+
+
+def test_dual_clip_hand_cases_and_gradients():
+    ratios = torch.tensor([[r for r, _, _, _ in DUAL_CASES]])
+    advantages = torch.tensor([[a for _, a, _, _ in DUAL_CASES]])
+    logprobs = torch.log(ratios).requires_grad_(True)
+    mask, n = torch.ones_like(ratios), len(DUAL_CASES)
+    loss, sums = clipped_policy_loss(logprobs, torch.zeros_like(ratios), advantages, mask,
+                                     policy_cfg(dual_clip_c=3.0), batch_totals(mask))
+    assert loss.item() == pytest.approx(sum(e for _, _, e, _ in DUAL_CASES) / n, abs=1e-6)
+    assert sums["dual_clipped_tokens"].item() == 2.0
+    loss.backward()
+    expected_grad = [0.0, 0.0, 2.0 / n, 0.0, 0.0]  # only the unclipped token moves: d(-r A)/d lp = -r A
+    torch.testing.assert_close(logprobs.grad, torch.tensor([expected_grad]))
+    # off (None): PPO's losses, 5 and 2 for the first two tokens, and no dual-clip count
+    off, off_sums = clipped_policy_loss(logprobs, torch.zeros_like(ratios), advantages, mask, policy_cfg(),
+                                        batch_totals(mask))
+    assert off.item() == pytest.approx((5.0 + 2.0 + 2.0 - 1.28 + 0.8) / n, abs=1e-6)
+    assert "dual_clipped_tokens" not in off_sums
+
+
+# ---- GSPO sequence ratio ----------------------------------------------------------------------
+
+def test_sequence_ratio_is_the_geometric_mean_clipped_per_sequence():
+    # row 0: token log-ratios 0.2, -0.1, 0.5 (then padding): s = exp(0.2); row 1: an empty response
+    delta = torch.tensor([[0.2, -0.1, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    s = math.exp(0.2)
+    totals = batch_totals(mask)  # 2 sequences: the empty one counts in the mean with loss 0
+    for advantage, clip, expected_token_loss, grad in [
+            (1.0, 0.3, -s, -s / 3),  # inside the range: -s A, gradient -s A / |y| per token
+            (1.0, 4e-4, -(1 + 4e-4), 0.0),  # GSPO's clip: s above 1 + 4e-4, clipped as a whole
+            (-1.0, 4e-4, s, s / 3)]:  # negative advantage: the unclipped term is the larger loss
+        logprobs = delta.clone().requires_grad_(True)
+        cfg = policy_cfg(clip_low=min(clip, 3e-4), clip_high=clip, importance_ratio="sequence",
+                         aggregation="seq-mean-token-mean")
+        loss, sums = clipped_policy_loss(logprobs, torch.zeros_like(delta), torch.tensor([advantage, 1.0]), mask,
+                                         cfg, totals)
+        loss.backward()
+        assert loss.item() == pytest.approx(expected_token_loss / 2, rel=1e-6)
+        assert sums["ratio"].item() == pytest.approx(3 * s, rel=1e-6)
+        torch.testing.assert_close(logprobs.grad, torch.tensor([[grad / 2] * 3 + [0.0], [0.0] * 4]))
+
+
+def test_sequence_ratio_of_one_token_is_the_token_ratio():
+    logprobs, old, mask = torch.tensor([[-0.5], [-2.0]]), torch.tensor([[-0.7], [-1.0]]), torch.ones(2, 1)
+    advantages = torch.tensor([1.0, -1.0])
+    token, _ = clipped_policy_loss(logprobs, old, advantages, mask, policy_cfg(), batch_totals(mask))
+    sequence, _ = clipped_policy_loss(logprobs, old, advantages, mask, policy_cfg(importance_ratio="sequence"),
+                                      batch_totals(mask))
+    assert sequence.item() == token.item()
+
+
+def test_unknown_importance_ratio_names_the_choices():
+    mask = torch.ones(1, 1)
+    with pytest.raises(ValueError, match="'tokens'.*token.*sequence"):
+        clipped_policy_loss(mask, mask, mask[0], mask, policy_cfg(importance_ratio="tokens"), batch_totals(mask))
+
+
+# ---- aggregation modes and empty responses ----------------------------------------------------
+
+VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [7.0, 7.0, 7.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # last row: an empty response
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("token-mean", 10 / 4), ("token-sum", 10.0), ("seq-mean-token-mean", (2 + 4 + 0) / 3),
+    ("seq-mean-token-sum", (6 + 4 + 0) / 3), ("seq-mean-token-sum-norm", (6 + 4 + 0) / 3 / 5)])
+def test_aggregation_hand_values(mode, expected):
+    assert aggregate(VALUES, MASK, mode, batch_totals(MASK), max_response_tokens=5).item() == pytest.approx(expected)
+
+
+def test_sequence_means_count_empty_responses_in_the_denominator():
+    """An empty response adds 0 to a sequence mean's numerator and 1 to its denominator; token
+    modes do not see it."""
+    with_empty, without = (VALUES, MASK), (VALUES[:2], MASK[:2])
+    for mode, scale in [("token-mean", 1.0), ("token-sum", 1.0), ("seq-mean-token-mean", 2 / 3),
+                        ("seq-mean-token-sum", 2 / 3), ("seq-mean-token-sum-norm", 2 / 3)]:
+        a = aggregate(*with_empty, mode, batch_totals(with_empty[1]), max_response_tokens=5)
+        b = aggregate(*without, mode, batch_totals(without[1]), max_response_tokens=5)
+        assert a.item() == pytest.approx(scale * b.item()), mode
+
+
+def test_sum_norm_needs_its_constant():
+    with pytest.raises(ValueError, match="max_response_tokens"):
+        aggregate(VALUES, MASK, "seq-mean-token-sum-norm", BatchTotals(4.0, 3.0))
+
+
+# ---- REINFORCE++ with a discount --------------------------------------------------------------
+
+def test_reinforce_pp_discounted_returns_hand_computed():
+    # row 0: response tokens at 1, 2 and 4 (3 is an observation: no step); row 1: tokens 0 and 1
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 0, 0, 0, 0]], dtype=torch.float32)
+    kl = torch.tensor([[9.0, 0.2, 0.4, float("inf"), 0.6, float("nan")], [0.1, 0.3, 9.0, 9.0, 9.0, 9.0]])
+    rewards = torch.tensor([1.0, 2.0])
+    # gamma 0.5, kl_coef 1: token rewards row 0: -0.2, -0.4, 1 - 0.6; row 1: -0.1, 2 - 0.3
+    returns = torch.zeros(2, 6)
+    returns[0, 4] = 0.4
+    returns[0, 2] = -0.4 + 0.5 * 0.4
+    returns[0, 1] = -0.2 + 0.5 * returns[0, 2]
+    returns[1, 1] = 1.7
+    returns[1, 0] = -0.1 + 0.5 * 1.7
+    actual = reinforce_pp_advantages(rewards, mask, kl, 1.0, gamma=0.5)
+    torch.testing.assert_close(actual, whiten(returns, mask))
+    # gamma 0: each token sees only its own reward
+    only_own = torch.tensor([[0, -0.2, -0.4, 0, 0.4, 0], [-0.1, 1.7, 0, 0, 0, 0]])
+    torch.testing.assert_close(reinforce_pp_advantages(rewards, mask, kl, 1.0, gamma=0.0), whiten(only_own, mask))
+    # gamma 1 is the undiscounted default
+    assert torch.equal(reinforce_pp_advantages(rewards, mask, kl, 1.0, gamma=1.0),
+                       reinforce_pp_advantages(rewards, mask, kl, 1.0))
+
+
+# ---- DPO hinge, robust, cDPO ------------------------------------------------------------------
+
+def dpo(loss_type, margin, beta=1.0, label_smoothing=0.0):
+    """(loss, d loss / d chosen) for one pair whose log-ratio margin h is `margin`."""
+    chosen = torch.tensor([margin], requires_grad=True)
+    zero = torch.zeros(1)
+    loss, _ = dpo_loss(chosen, zero, zero, zero, DPOLossConfig(beta, label_smoothing, loss_type, 0.0))
+    loss.backward()
+    return loss.item(), chosen.grad.item()
+
+
+def test_hinge_hand_values():
+    assert dpo("hinge", 1.0, beta=0.5) == pytest.approx((0.5, -0.5))  # max(0, 1 - 0.5): gradient -beta
+    assert dpo("hinge", 3.0, beta=0.5) == (0.0, 0.0)  # margin met: no loss, no gradient
+
+
+def test_robust_is_unbiased_under_flipped_labels():
+    """Chowdhury et al.: averaged over a label flipped with probability eps, the robust loss is the
+    clean DPO loss -logsigmoid(z)."""
+    eps, z = 0.2, 1.0
+    robust, flipped = dpo("robust", z, label_smoothing=eps)[0], dpo("robust", -z, label_smoothing=eps)[0]
+    assert (1 - eps) * robust + eps * flipped == pytest.approx(-F.logsigmoid(torch.tensor(z)).item(), abs=1e-6)
+    # by hand: (-(0.8) logsigmoid(1) + 0.2 logsigmoid(-1)) / 0.6
+    ls = F.logsigmoid(torch.tensor([z, -z])).tolist()
+    assert robust == pytest.approx((-0.8 * ls[0] + 0.2 * ls[1]) / 0.6, abs=1e-6)
+    assert dpo("robust", 0.7)[0] == pytest.approx(dpo("sigmoid", 0.7)[0], abs=1e-7)  # eps = 0: DPO
+
+
+def test_cdpo_smoothing_is_cross_entropy_against_a_soft_label():
+    eps, z = 0.1, 0.8
+    expected = F.binary_cross_entropy_with_logits(torch.tensor(z), torch.tensor(1 - eps)).item()
+    assert dpo("sigmoid", z, label_smoothing=eps)[0] == pytest.approx(expected, abs=1e-6)
+    # its gradient vanishes where sigmoid(z) = 1 - eps: the loss stops pushing past odds of 9 to 1
+    assert dpo("sigmoid", math.log(9), label_smoothing=eps)[1] == pytest.approx(0.0, abs=1e-6)
+
+
+# ---- config keys ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe, overrides, key, fragments", [
+    ("grpo_tiny_cpu", ["algorithm.kl_estimator=k4"], "algorithm.kl_estimator", ["'k1'", "'low_var_kl'", "'k4'"]),
+    ("grpo_tiny_cpu", ["algorithm.importance_ratio=tokens"], "algorithm.importance_ratio",
+     ["'token'", "'sequence'", "'tokens'"]),
+    ("grpo_tiny_cpu", ["algorithm.loss_aggregation=sum"], "algorithm.loss_aggregation",
+     ["'token-sum'", "'seq-mean-token-sum-norm'"]),
+    ("rloo_tiny_cpu", ["algorithm.dual_clip_c=1.0"], "algorithm.dual_clip_c", ["must be > 1", "(got: 1.0)"]),
+    ("reinforce_pp_tiny_cpu", ["algorithm.gamma=1.5"], "algorithm.gamma", ["[0, 1]", "(got: 1.5)"]),
+    ("dpo_tiny_cpu", ["algorithm.loss_type=hinge", "algorithm.label_smoothing=0.1"], "algorithm.label_smoothing",
+     ["loss_type=hinge"]),
+    ("grpo_tiny_cpu", ["+algorithm.clip_ratio_c=3.0"], "algorithm.clip_ratio_c", ["unknown key"]),
+])
+def test_variant_keys_are_validated(recipe, overrides, key, fragments):
+    with pytest.raises(ConfigError) as info:
+        load_config(recipe, overrides)
+    message = str(info.value)
+    assert message.startswith(f"{key}: ") and all(f in message for f in fragments), message
+
+
+def test_variant_keys_load_and_defaults_keep_todays_loss():
+    cfg, _ = load_config("grpo_tiny_cpu", ["algorithm.dual_clip_c=3.0", "algorithm.importance_ratio=sequence",
+                                           "algorithm.kl_estimator=low_var_kl",
+                                           "algorithm.loss_aggregation=seq-mean-token-sum-norm"])
+    assert (cfg.algorithm.dual_clip_c, cfg.algorithm.importance_ratio) == (3.0, "sequence")
+    assert load_config("dpo_tiny_cpu", ["algorithm.loss_type=robust", "algorithm.label_smoothing=0.1"])[0]
+    a = load_config("grpo_tiny_cpu", [])[0].algorithm
+    assert (a.dual_clip_c, a.importance_ratio, a.kl_estimator) == (None, "token", None)
+    ppo = load_config("ppo_tiny_cpu", [])[0].algorithm
+    assert (kl_estimator(a, in_loss=True), kl_estimator(ppo, in_loss=False)) == ("k3", "k1")  # null: as before
+    assert load_config("reinforce_pp_tiny_cpu", [])[0].algorithm.gamma == 1.0
+
+
+def test_max_response_tokens_is_the_longest_response_a_sample_can_have():
+    single, _ = load_config("grpo_tiny_cpu", ["generation.max_new_tokens=7"])
+    assert max_response_tokens(single) == 7
+    multi, _ = load_config("grpo_tiny_cpu_multiturn", [])
+    g, r = multi.generation, multi.env_runner
+    assert max_response_tokens(multi) == min(g.max_new_tokens * r.max_turns, r.max_total_tokens)
