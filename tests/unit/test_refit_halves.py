@@ -77,7 +77,7 @@ def refit():
     source = Source(seed=0)
     sender = RefitSender(source)
     plan = RefitPlan.build(sender.manifest(), bucket_bytes=64)
-    address = sender.open_channel(BytesOverChannel(), receivers=2, timeout_s=10)
+    address = sender.open_channel(BytesOverChannel(), receivers=2, timeout_s=10, host="127.0.0.1")
     engines = [Engine(), Engine()]
     receivers = [StandingReceiver(BytesFromChannel(), lambda e=e: e, address, f"generation worker {i}", 10)
                  for i, e in enumerate(engines)]
