@@ -101,7 +101,8 @@ class ClippedPolicyLossConfig:
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                         mask: torch.Tensor, cfg: ClippedPolicyLossConfig, totals: BatchTotals,
-                        reference_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                        reference_logprobs: torch.Tensor | None = None,
+                        off_policy_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate with separate low/high clip (DAPO, Yu et al. 2025, arXiv:2503.14476)
     plus an optional KL penalty to a reference policy.
 
@@ -114,6 +115,8 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     dual_clip_c (Ye et al. 2019, arXiv:1912.09729): where A < 0 the loss is at most -c A, so a
          token whose ratio has grown far above 1 gives a bounded loss and no gradient (c > 1).
     kl_t: kl_estimate(lp, ref, kl_estimator).
+    off_policy_weights [B, S] (rlkit/algorithms/off_policy.py), if given, multiply each token's
+         clipped term (not the KL term): a correction toward the policy that generated the rollout.
     advantages: [B] (one per sample) or [B, S]. Returns (loss, sums) where sums are masked token
     sums (clipped tokens, dual-clipped tokens, importance ratio, kl) for metrics; divide by the
     batch's token count to get means.
@@ -142,6 +145,8 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
         dual_clipped = (advantages < 0) & (per_token > bound)
         per_token = torch.where(dual_clipped, bound, per_token)
         sums["dual_clipped_tokens"] = (dual_clipped & keep).float().sum().detach()
+    if off_policy_weights is not None:  # constants of the rollout: no gradient flows through them
+        per_token = per_token * off_policy_weights.detach()
     if cfg.kl_coef > 0:
         if reference_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference_logprobs")

@@ -17,18 +17,22 @@ from rlkit.data.batch import Batch, BatchTotals
 @dataclass(frozen=True)
 class PolicyGradient:
     """Clipped surrogate on advantages (GRPO, PPO's actor, REINFORCE++, RLOO), with the loss's
-    variants (dual-clip, KL estimator, GSPO's sequence ratio, aggregation) in its config."""
+    variants (dual-clip, KL estimator, GSPO's sequence ratio, aggregation) in its config and an
+    optional off-policy correction."""
 
     loss: ClippedPolicyLossConfig
     mask_key: str = "response_mask"
+    off_policy_weighted: bool = False  # the held off_policy_weights multiply the loss (rlkit/algorithms/off_policy.py)
 
     @property
     def fields(self) -> tuple[str, ...]:
-        return (self.mask_key, "old_logprobs", "advantages") + (("reference_logprobs",) if self.loss.kl_coef > 0 else ())
+        return ((self.mask_key, "old_logprobs", "advantages") + (("reference_logprobs",) if self.loss.kl_coef > 0 else ())
+                + (("off_policy_weights",) if self.off_policy_weighted else ()))
 
     def __call__(self, logprobs: torch.Tensor, batch: Batch, totals: BatchTotals):
         return clipped_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch[self.mask_key],
-                                   self.loss, totals, batch["reference_logprobs"] if self.loss.kl_coef > 0 else None)
+                                   self.loss, totals, batch["reference_logprobs"] if self.loss.kl_coef > 0 else None,
+                                   batch["off_policy_weights"] if self.off_policy_weighted else None)
 
 
 @dataclass(frozen=True)

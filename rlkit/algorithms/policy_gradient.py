@@ -21,6 +21,7 @@ from rlkit.algorithms.loop import RunContext, TrainingData
 from rlkit.algorithms.losses import IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ClippedPolicyLossConfig
 from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
 from rlkit.algorithms.objectives import PolicyGradient
+from rlkit.algorithms.off_policy import OFF_POLICY_CORRECTIONS, OffPolicyCorrection, off_policy_metrics
 from rlkit.algorithms.registry import AlgorithmConfig
 from rlkit.algorithms.warm_start import sft_steps
 from rlkit.cluster.groups import ModelWorkers
@@ -49,6 +50,10 @@ class PolicyGradientConfig(AlgorithmConfig):
     kl_coef: float = MISSING
     kl_estimator: Optional[str] = MISSING
     loss_aggregation: str = MISSING
+    off_policy_correction: str = MISSING
+    tis_cap: float = MISSING
+    seq_mask_low: float = MISSING
+    seq_mask_high: float = MISSING
     val_greedy: bool = MISSING
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
@@ -79,12 +84,20 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
     p, g, a = cfg.policy, cfg.generation, cfg.algorithm
     for key, value, choices in [("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS),
                                 ("algorithm.importance_ratio", a.importance_ratio, IMPORTANCE_RATIOS),
-                                ("algorithm.kl_estimator", a.kl_estimator, (None, *KL_ESTIMATORS))]:
+                                ("algorithm.kl_estimator", a.kl_estimator, (None, *KL_ESTIMATORS)),
+                                ("algorithm.off_policy_correction", a.off_policy_correction, OFF_POLICY_CORRECTIONS)]:
         if value not in choices:
             raise ConfigError(f"{key}: must be one of {list(choices)} (got: {value!r}); pick one of those")
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:
         raise ConfigError(f"algorithm.dual_clip_c: must be > 1, a bound above the clipped ratios (Ye et al. 2019) "
                           f"(got: {a.dual_clip_c}); e.g. 3.0, or null to turn dual-clip off")
+    # a weight of 1 (the rollout's own policy) must pass both corrections unchanged
+    if a.tis_cap < 1:
+        raise ConfigError(f"algorithm.tis_cap: must be >= 1, or on-policy tokens would be down-weighted "
+                          f"(got: {a.tis_cap}); e.g. 2.0")
+    if not 0 < a.seq_mask_low <= 1 <= a.seq_mask_high:
+        raise ConfigError(f"algorithm.seq_mask_low / seq_mask_high: need 0 < seq_mask_low <= 1 <= seq_mask_high, so "
+                          f"on-policy sequences are kept (got: {a.seq_mask_low}, {a.seq_mask_high}); e.g. 0.999, 1.002")
     for key, value in [("generation.num_workers", g.num_workers), ("algorithm.prompts_per_step", a.prompts_per_step),
                        ("generation.max_new_tokens", g.max_new_tokens)]:
         if value < 1:
@@ -145,7 +158,10 @@ class PolicyGradientTrainer:
         self.kl_in_loss = self.algorithm.kl_in_loss(a)
         self.objective = PolicyGradient(ClippedPolicyLossConfig(
             a.clip_low, a.clip_high, a.kl_coef if self.kl_in_loss else 0.0, a.loss_aggregation, a.dual_clip_c,
-            kl_estimator(a, in_loss=True), a.importance_ratio, max_response_tokens(cfg)))
+            kl_estimator(a, in_loss=True), a.importance_ratio, max_response_tokens(cfg)),
+            off_policy_weighted=a.off_policy_correction != "none")
+        self.off_policy = OffPolicyCorrection(a.off_policy_correction, a.tis_cap, a.seq_mask_low, a.seq_mask_high) \
+            if a.off_policy_correction != "none" else None
         self.sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, seed=cfg.run.seed,
                                        ignore_eos=g.ignore_eos)
         self.policy.set_temperature(g.temperature or 1.0)
@@ -188,6 +204,9 @@ class PolicyGradientTrainer:
                 agreement = agreement_metrics(self.policy.forward_held("old_logprobs"))
                 if a.kl_coef > 0:
                     agreement.update(reference_kl(self.policy.forward_held("reference_logprobs", reference=True)))
+                if self.off_policy is not None:  # weights from old_logprobs and the engine's, where both are held
+                    agreement.update(off_policy_metrics(self.policy.estimate_held(self.off_policy, rewards),
+                                                        a.off_policy_correction))
             with timer("advantages"):
                 advantage_metrics = self.algorithm.estimator(self, rewards)
             with timer("train"):
