@@ -31,6 +31,7 @@ class Episode:
     done: bool = False
     turns: int = 0
     generated: int = field(default=0)
+    truncated: bool = False  # its last turn used its whole token budget without ending in EOS
 
 
 @dataclass
@@ -39,7 +40,8 @@ class Episodes:
     lengths: torch.Tensor  # [B] real tokens of each row (prompt and every turn); the rest is padding
     rewards: torch.Tensor  # [B] summed over turns
     correct: torch.Tensor  # [B] 1.0 right, 0.0 wrong, NaN where the environment gave no verdict (or failed)
-    metrics: dict
+    truncated: torch.Tensor  # [B] bool: the last response was cut at the token budget (no EOS)
+    metrics: dict  # train/turns and env/failure_rate are means over the episodes, the other env/ keys counts
 
     def summary(self, split: str) -> dict:
         """Mean reward, trained (model-generated) tokens per episode and the environment's counts;
@@ -51,12 +53,37 @@ class Episodes:
         return {f"{split}/reward": self.rewards.mean().item(), **accuracy,
                 f"{split}/response_length": self.batch["response_mask"].sum(1).mean().item(), **self.metrics}
 
+    def select(self, rows: list[int]) -> "Episodes":
+        """These rows, in this order; metrics stay those of the whole rollout."""
+        index = torch.tensor(rows, dtype=torch.long)
+        return Episodes(Batch({k: v[index] for k, v in self.batch.tensors.items()}), self.lengths[index],
+                        self.rewards[index], self.correct[index], self.truncated[index], self.metrics)
+
+
+MEAN_METRICS = ("train/turns", "env/failure_rate")  # _collate's per-episode means; its other metrics are counts
+
+
+def concat_episodes(parts: list[Episodes], pad_id: int, rollouts: list[Episodes]) -> Episodes:
+    """The parts' rows one after another (rows right-padded to the widest part: input_ids with
+    pad_id, the masks and logprobs with 0), with the metrics of every rollout generated for them:
+    counts added, means weighted by episodes."""
+    width = max(p.batch["input_ids"].shape[1] for p in parts)
+    batch = Batch.concat([Batch({k: torch.nn.functional.pad(v, (0, width - v.shape[1]),
+                                                            value=pad_id if k == "input_ids" else 0)
+                                 for k, v in p.batch.tensors.items()}) for p in parts])
+    total = sum(len(r.rewards) for r in rollouts)
+    metrics = {k: sum(r.metrics.get(k, 0) * (len(r.rewards) / total if k in MEAN_METRICS else 1) for r in rollouts)
+               for k in dict.fromkeys(k for r in rollouts for k in r.metrics)}
+    return Episodes(batch, *(torch.cat([getattr(p, f) for p in parts])
+                             for f in ("lengths", "rewards", "correct", "truncated")), metrics)
+
 
 def run_episodes(prompts: list[Prompt], renderer: PromptRenderer, generation: GenerationWorkers,
                  envs: EnvironmentPool, params: SamplingParams, cfg: EnvRunnerConfig,
                  timer: PhaseTimer | None = None) -> Episodes:
     """timer, if given, accumulates the "generate" and "reward" (environment) phases over turns."""
     timer, tokenizer = timer or PhaseTimer(), renderer.tokenizer
+    eos = tokenizer.eos_token_id
     episodes = [Episode(token_ids=list(p.token_ids), trained=[False] * len(p.token_ids),
                         logprobs=[0.0] * len(p.token_ids), messages=list(p.messages), metadata=p.metadata)
                 for p in prompts]
@@ -65,10 +92,10 @@ def run_episodes(prompts: list[Prompt], renderer: PromptRenderer, generation: Ge
         active = [e for e in episodes if not e.done]
         if not active:
             break
-        budget = min(params.max_new_tokens, min(cfg.max_total_tokens - e.generated for e in active))
+        budget = max(min(params.max_new_tokens, min(cfg.max_total_tokens - e.generated for e in active)), 1)
         with timer("generate"):
             out = generation.generate([e.token_ids for e in active],
-                                      SamplingParams(**{**params.__dict__, "max_new_tokens": max(budget, 1),
+                                      SamplingParams(**{**params.__dict__, "max_new_tokens": budget,
                                                         "seed": params.seed * 100 + turn}))
         for episode, ids, lps in zip(active, out.token_ids, out.logprobs):
             episode.token_ids += ids
@@ -76,6 +103,7 @@ def run_episodes(prompts: list[Prompt], renderer: PromptRenderer, generation: Ge
             episode.logprobs += lps
             episode.generated += len(ids)
             episode.turns += 1
+            episode.truncated = len(ids) >= budget and ids[-1] != eos
             episode.messages.append({"role": "assistant",
                                      "content": tokenizer.decode(ids, skip_special_tokens=True)})
         with timer("reward"):
@@ -108,4 +136,4 @@ def _collate(episodes: list[Episode], pad_id: int, failures: dict) -> Episodes:
                "env/failure_rate": failures.get("env/failures", 0) / len(episodes)}
     return Episodes(Batch({"input_ids": input_ids, "response_mask": mask, "generation_logprobs": logprobs}),
                     torch.tensor([len(e.token_ids) for e in episodes]), torch.tensor([e.reward for e in episodes]),
-                    correct, metrics)
+                    correct, torch.tensor([e.truncated for e in episodes]), metrics)

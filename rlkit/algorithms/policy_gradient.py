@@ -10,12 +10,14 @@ where each shard is held; only per-sample rewards and metrics come back.
 """
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 from omegaconf import MISSING
 
+from rlkit.algorithms.dapo_rollouts import (extra_prompts, overlong_filtered, overlong_penalty,
+                                            sample_informative_groups)
 from rlkit.algorithms.episodes import Episodes, run_episodes
 from rlkit.algorithms.loop import RunContext, TrainingData
 from rlkit.algorithms.losses import IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ClippedPolicyLossConfig
@@ -54,6 +56,11 @@ class PolicyGradientConfig(AlgorithmConfig):
     tis_cap: float = MISSING
     seq_mask_low: float = MISSING
     seq_mask_high: float = MISSING
+    dynamic_sampling: bool = MISSING
+    dynamic_sampling_max_rounds: int = MISSING
+    overlong_filtering: bool = MISSING
+    overlong_buffer: int = MISSING
+    overlong_penalty_factor: float = MISSING
     val_greedy: bool = MISSING
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
@@ -98,6 +105,15 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
     if not 0 < a.seq_mask_low <= 1 <= a.seq_mask_high:
         raise ConfigError(f"algorithm.seq_mask_low / seq_mask_high: need 0 < seq_mask_low <= 1 <= seq_mask_high, so "
                           f"on-policy sequences are kept (got: {a.seq_mask_low}, {a.seq_mask_high}); e.g. 0.999, 1.002")
+    if a.dynamic_sampling and (a.group_size < 2 or a.dynamic_sampling_max_rounds < 0):
+        raise ConfigError(f"algorithm.dynamic_sampling: needs group_size >= 2 (a single sample's group is never "
+                          f"informative) and dynamic_sampling_max_rounds >= 0 (got: {a.group_size}, "
+                          f"{a.dynamic_sampling_max_rounds}); e.g. group_size=8, dynamic_sampling_max_rounds=3")
+    if not 0 <= a.overlong_buffer <= max_response_tokens(cfg) or a.overlong_penalty_factor < 0:
+        raise ConfigError(f"algorithm.overlong_buffer / overlong_penalty_factor: need 0 <= overlong_buffer <= the "
+                          f"response budget {max_response_tokens(cfg)} and a factor >= 0 (got: {a.overlong_buffer}, "
+                          f"{a.overlong_penalty_factor}); e.g. a quarter of generation.max_new_tokens and 1.0, or 0 "
+                          f"to turn the penalty off")
     for key, value in [("generation.num_workers", g.num_workers), ("algorithm.prompts_per_step", a.prompts_per_step),
                        ("generation.max_new_tokens", g.max_new_tokens)]:
         if value < 1:
@@ -121,6 +137,11 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
         raise ConfigError(f"policy.train_global_batch_size: must divide the rollout size algorithm.prompts_per_step "
                           f"x algorithm.group_size = {rollout} (got: {p.train_global_batch_size}); pick a divisor "
                           f"of {rollout}")
+
+
+# extra dynamic-sampling rounds shift the sampling seed by this much per round: round 0 keeps the
+# step's seed, and no two (step, round) pairs share a seed in runs of fewer steps
+EXTRA_ROUND_SEED_STRIDE = 1_000_000
 
 
 def kl_estimator(a, in_loss: bool) -> str:
@@ -150,7 +171,7 @@ class PolicyGradientTrainer:
 
     def __init__(self, ctx: RunContext):
         cfg, workers = ctx.cfg, ctx.workers
-        self.cfg, self.algorithm, self.val_rows = cfg, ctx.algorithm, ctx.data.val
+        self.cfg, self.algorithm, self.train_rows, self.val_rows = cfg, ctx.algorithm, ctx.data.train, ctx.data.val
         self.renderer = PromptRenderer.of(ctx.tokenizer, cfg.data, cfg.env_runner.observation_format)
         self.policy, self.generation = workers.policy, workers.generation
         self.rows_per_step = cfg.algorithm.prompts_per_step
@@ -191,12 +212,15 @@ class PolicyGradientTrainer:
         with timer("step"):
             with timer("refit"):
                 refit_metrics = self.refit.sync()
-            sampling = SamplingParams(**{**self.sampling.__dict__, "seed": self.sampling.seed + step})
-            episodes = self.episodes([r for r in rows for _ in range(a.group_size)], sampling, timer)
+            episodes, sampling_metrics = self.roll_out(rows, step, timer)
             with timer("reclaim"):
                 wake_metrics = self.refit.reclaim()  # colocated: the memory goes back to the trained models
-            rewards, summary = episodes.rewards, episodes.summary("train")
+            rewards, summary = episodes.rewards, {**episodes.summary("train"), **sampling_metrics}
             lengths, generated = episodes.lengths.tolist(), episodes.batch["response_mask"].sum().item()
+            if a.overlong_filtering:  # after the summary: response lengths count the filtered responses too
+                episodes.batch = episodes.batch.with_fields(
+                    response_mask=overlong_filtered(episodes.batch["response_mask"], episodes.truncated))
+                summary["train/overlong_filtered_fraction"] = episodes.truncated.float().mean().item()
             with timer("logprobs"):
                 totals = minibatch_totals(episodes.batch, self.policy.layout.dp_size, self.minibatches)
                 self.hold(episodes.batch)
@@ -214,6 +238,30 @@ class PolicyGradientTrainer:
                 self.refit.stale = True
         return {**summary, **advantage_metrics, **train_metrics, **refit_metrics, **wake_metrics, **timer.seconds,
                 **agreement, **self.performance(lengths, generated, timer.seconds)}
+
+    def roll_out(self, rows: list[Prompt], step: int, timer: PhaseTimer) -> tuple[Episodes, dict]:
+        """The step's episodes, group_size per prompt, rewards with the soft overlong penalty
+        (algorithm.overlong_buffer > 0); with algorithm.dynamic_sampling, rounds on more prompts
+        until every group's rewards differ (rlkit/algorithms/dapo_rollouts.py). Round r samples
+        with seed run.seed + step + r * EXTRA_ROUND_SEED_STRIDE and draws its prompts from
+        (run.seed, step, r): a resumed step repeats every round."""
+        a = self.cfg.algorithm
+
+        def episodes_of(prompts: list[Prompt], round_: int) -> Episodes:
+            seed = self.sampling.seed + step + round_ * EXTRA_ROUND_SEED_STRIDE
+            episodes = self.episodes([p for p in prompts for _ in range(a.group_size)],
+                                     SamplingParams(**{**self.sampling.__dict__, "seed": seed}), timer)
+            if a.overlong_buffer == 0:
+                return episodes
+            penalty = overlong_penalty(episodes.batch["response_mask"].sum(1), max_response_tokens(self.cfg),
+                                       a.overlong_buffer, a.overlong_penalty_factor)
+            return replace(episodes, rewards=episodes.rewards + penalty)
+
+        if not a.dynamic_sampling:
+            return episodes_of(rows, 0), {}
+        return sample_informative_groups(
+            rows, episodes_of, lambda round_: extra_prompts(self.train_rows, len(rows), self.cfg.run.seed, step, round_),
+            a.group_size, a.dynamic_sampling_max_rounds, self.renderer.tokenizer.pad_token_id)
 
     def episodes(self, prompts: list[Prompt], params: SamplingParams, timer: PhaseTimer | None = None) -> Episodes:
         """Generation and environment turns until every episode is done; timer accumulates the

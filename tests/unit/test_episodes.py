@@ -13,7 +13,8 @@ def _episodes(correct: list[float]) -> Episodes:
     n = len(correct)
     batch = Batch({"input_ids": torch.zeros(n, 3, dtype=torch.long), "response_mask": torch.ones(n, 3),
                    "generation_logprobs": torch.zeros(n, 3)})
-    return Episodes(batch, torch.full((n,), 3), torch.zeros(n), torch.tensor(correct), {})
+    truncated = torch.zeros(n, dtype=torch.bool)
+    return Episodes(batch, torch.full((n,), 3), torch.zeros(n), torch.tensor(correct), truncated, {})
 
 
 def test_one_failed_call_neither_hides_accuracy_nor_counts_as_wrong():

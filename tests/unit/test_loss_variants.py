@@ -246,6 +246,17 @@ def test_cdpo_smoothing_is_cross_entropy_against_a_soft_label():
     ("dpo_tiny_cpu", ["algorithm.loss_type=hinge", "algorithm.label_smoothing=0.1"], "algorithm.label_smoothing",
      ["loss_type=hinge"]),
     ("grpo_tiny_cpu", ["+algorithm.clip_ratio_c=3.0"], "algorithm.clip_ratio_c", ["unknown key"]),
+    ("grpo_tiny_cpu", ["algorithm.off_policy_correction=tis"], "algorithm.off_policy_correction",
+     ["'token_tis'", "'seq_mask'"]),
+    ("ppo_tiny_cpu", ["algorithm.tis_cap=0.5"], "algorithm.tis_cap", ["must be >= 1", "(got: 0.5)"]),
+    ("grpo_tiny_cpu", ["algorithm.seq_mask_low=1.01"], "algorithm.seq_mask_low / seq_mask_high", ["(got: 1.01, 1.002)"]),
+    ("rloo_tiny_cpu", ["algorithm.seq_mask_high=0.99"], "algorithm.seq_mask_low / seq_mask_high", ["(got: 0.999, 0.99)"]),
+    ("grpo_tiny_cpu", ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_rounds=-1"],
+     "algorithm.dynamic_sampling", ["(got: 8, -1)"]),
+    ("grpo_tiny_cpu", ["algorithm.overlong_buffer=7"], "algorithm.overlong_buffer / overlong_penalty_factor",
+     ["budget 6", "(got: 7, 1.0)"]),
+    ("reinforce_pp_tiny_cpu", ["algorithm.overlong_penalty_factor=-1.0"],
+     "algorithm.overlong_buffer / overlong_penalty_factor", ["(got: 0, -1.0)"]),
 ])
 def test_variant_keys_are_validated(recipe, overrides, key, fragments):
     with pytest.raises(ConfigError) as info:

@@ -1,0 +1,64 @@
+"""DAPO's rollout-side techniques (Yu et al. 2025, arXiv:2503.14476), for every RL algorithm:
+dynamic sampling (algorithm.dynamic_sampling), the soft overlong penalty (algorithm.overlong_buffer)
+and overlong filtering (algorithm.overlong_filtering)."""
+
+import random
+from typing import Callable
+
+import torch
+
+from rlkit.algorithms.episodes import Episodes, concat_episodes
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to each sample's reward [B]: 0 up to
+    max_length - buffer response tokens, then falling linearly to -factor at max_length:
+    -factor * min(max(length - (max_length - buffer), 0) / buffer, 1)."""
+    over = (response_lengths.float() - (max_length - buffer)).clamp(min=0.0)
+    return -factor * (over / buffer).clamp(max=1.0)
+
+
+def overlong_filtered(response_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """DAPO's overlong filtering: a response cut at the token budget [B] gets no loss, its mask
+    [B, S] zeroed (its reward still enters its group's advantages)."""
+    return response_mask * (~truncated).to(response_mask.dtype).unsqueeze(1)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[G] bool per prompt group of group_size consecutive samples: its rewards are not all
+    equal. A group of equal rewards has zero group-relative advantage: no gradient signal."""
+    groups = rewards.view(-1, group_size)
+    return (groups != groups[:, :1]).any(dim=1)
+
+
+def extra_prompts(rows: list, count: int, seed: int, step: int, round_: int) -> list:
+    """Round round_'s prompts of step `step`: `count` rows drawn (with replacement) from `rows` by
+    their own seeded generator, a function of (seed, step, round) only, so a resumed run draws the
+    same ones and the run's prompt stream (each step's first round) is the one it has without
+    dynamic sampling."""
+    return random.Random(f"dynamic sampling {seed} {step} {round_}").choices(rows, k=count)
+
+
+def sample_informative_groups(prompts: list, roll_out: Callable[[list, int], Episodes],
+                              draw: Callable[[int], list], group_size: int, max_extra_rounds: int,
+                              pad_id: int) -> tuple[Episodes, dict]:
+    """DAPO's dynamic sampling: roll out the prompts (roll_out(prompts, round) gives group_size
+    episodes per prompt, in prompt order), keep the groups whose rewards differ, and roll out
+    draw(round) for more until len(prompts) groups are kept or max_extra_rounds extra rounds
+    have run. Kept groups beyond len(prompts) are dropped; if the cap is reached first, the
+    batch is filled with dropped groups (first dropped first), so the batch keeps its size.
+    Metrics: train/dynamic_sampling_rounds (rounds run), train/dynamic_sampling_dropped_groups
+    (groups of equal rewards, all rounds), train/dynamic_sampling_filled_groups."""
+    wanted, kept, dropped, rollouts = len(prompts), [], [], []
+    for round_ in range(max_extra_rounds + 1):
+        episodes = roll_out(prompts if round_ == 0 else draw(round_), round_)
+        rollouts.append(episodes)
+        for group, informative in enumerate(informative_groups(episodes.rewards, group_size).tolist()):
+            rows = episodes.select(list(range(group * group_size, (group + 1) * group_size)))
+            (kept if informative else dropped).append(rows)
+        if len(kept) >= wanted:
+            break
+    filled = max(wanted - len(kept), 0)
+    batch = concat_episodes((kept + dropped[:filled])[:wanted], pad_id, rollouts)
+    return batch, {"train/dynamic_sampling_rounds": len(rollouts), "train/dynamic_sampling_dropped_groups": len(dropped),
+                   "train/dynamic_sampling_filled_groups": filled}
