@@ -10,6 +10,8 @@ from typing import Iterator
 
 import torch
 
+from rlkit.config.schema import ConfigError
+
 _patched = set()
 # policy.attention_backend: torch SDPA (sdpa_attention.py) or Megatron's unfused DotProductAttention
 ATTENTION_BACKENDS = ("sdpa", "local")
@@ -138,6 +140,13 @@ class ModelBridge:
             core_attention = {"sdpa": SDPAttention, "local": DotProductAttention}[attention_backend]
             # this bridge's own spec, so two models in one process may use different attention
             self._bridge._get_transformer_layer_spec = partial(_local_layer_spec, self._bridge, core_attention)
+        elif self._bridge.config.context_parallel_size > 1:
+            # the worker splits rows and cuts packed masks the way rlkit/bridge/context_parallel.py attends;
+            # TE's context-parallel attention takes neither, and this pairing has never run
+            raise ConfigError(f"policy.context_parallel_size: context parallelism runs on rlkit's SDPA attention, "
+                              f"which TransformerEngine's layer spec replaces (TE is installed here; got "
+                              f"context_parallel_size={self._bridge.config.context_parallel_size}); set "
+                              f"policy.context_parallel_size=1 or run without transformer_engine")
 
     @property
     def transformer_config(self):
