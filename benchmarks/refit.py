@@ -30,7 +30,7 @@ def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int])
     """One set of workers per transport; every bucket size is its own plan on them."""
     from rlkit.cluster.setup import start_workers
     from rlkit.launch.config import load_config
-    from rlkit.refit.driver import RefitDriver
+    from rlkit.cluster.refit_driver import RefitDriver
     from rlkit.refit.plan import RefitPlan
 
     cfg, _ = load_config("grpo_tiny_gpu", [f"policy.model_path={model_dir}", *TRANSPORTS[transport],

@@ -36,7 +36,7 @@ from rlkit.observability.logprob_agreement import agreement_metrics, reference_k
 from rlkit.observability.metrics import PhaseTimer
 from rlkit.observability.throughput import (DecoderShape, PhaseWork, forward_flops, peak_bf16_flops, phase_metrics,
                                             training_flops)
-from rlkit.refit.driver import RefitDriver
+from rlkit.cluster.refit_driver import RefitDriver
 
 
 @dataclass

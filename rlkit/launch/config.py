@@ -25,7 +25,7 @@ from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PolicyCon
 from rlkit.data.arithmetic import synthetic_splits
 from rlkit.envs.base import check_environment_config
 from rlkit.models.tiny import ARCHITECTURES, TINY_EXPERTS, TINY_HEADS, parse_tiny
-from rlkit.refit.driver import TRANSPORTS
+from rlkit.cluster.refit_driver import TRANSPORTS
 from rlkit.workers.policy.offload import OFFLOAD_MODES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from rlkit.models.resolve import resolve_model_dir
 from rlkit.models.tokenizer import load_tokenizer
 from rlkit.observability.logprob_agreement import logprob_error
 from rlkit.observability.metrics import MetricsLogger, read_history
-from rlkit.refit.driver import RefitDriver
+from rlkit.cluster.refit_driver import RefitDriver
 
 log = logging.getLogger("rlkit")
 

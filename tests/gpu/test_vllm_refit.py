@@ -10,7 +10,7 @@ import torch
 
 from rlkit.cluster.setup import start_workers
 from rlkit.models.resolve import resolve_model_dir
-from rlkit.refit.driver import RefitDriver
+from rlkit.cluster.refit_driver import RefitDriver
 from rlkit.refit.plan import bucket_checksum
 
 

@@ -22,7 +22,7 @@ from rlkit.cluster.setup import start_workers
 from rlkit.data.batch import Batch
 from rlkit.data.generation import SamplingParams
 from rlkit.models.pretrained import MaterializeError, smollm2_135m_instruct
-from rlkit.refit.driver import RefitDriver
+from rlkit.cluster.refit_driver import RefitDriver
 from rlkit.refit.plan import bucket_checksum
 from test_policy_parity import _hf_logprobs
 

@@ -13,7 +13,7 @@ from rlkit.cluster.setup import start_workers
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.models.resolve import resolve_model_dir
-from rlkit.refit.driver import ObjectStoreTransfer, RefitDriver
+from rlkit.cluster.refit_driver import ObjectStoreTransfer, RefitDriver
 from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.workers.generation.hf import HFGenerationWorker as Engine
 from rlkit.workers.policy.megatron import MegatronModelWorker as Policy

@@ -12,7 +12,6 @@ LAYERS = [
     ("rlkit.cli",),
     ("rlkit.launch",),  # config loading and validation, the one launch path
     ("rlkit.algorithms",),
-    ("rlkit.refit.driver",),  # refit's controller half: drives the worker groups
     ("rlkit.cluster",),
     ("rlkit.workers", "rlkit.envs"),
     ("rlkit.refit",),  # plan, sender, receiver, transports: hosted by the workers

@@ -56,7 +56,7 @@ class HFGenerationWorker(GenerationWorker):
             token_lps.append(lps[:length])
         return Generations(token_ids, token_lps)
 
-    # the object-store refit, one Ray call per bucket (rlkit/refit/driver.py drives it)
+    # the object-store refit, one Ray call per bucket (rlkit/cluster/refit_driver.py drives it)
     def begin_refit(self, plan: RefitPlan, verify_checksums: bool) -> None:
         self.receiver.begin(plan, verify_checksums)
 
