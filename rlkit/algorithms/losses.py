@@ -51,6 +51,8 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, totals: Batch
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl")
+# exp of a larger log-ratio overflows float32's range for no useful value (verl bounds it the same)
+LOG_RATIO_BOUND = 20.0
 
 
 def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,7 @@ def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Ten
     unbiased and always >= 0. Clamped as verl clamps it: ref - lp to [-20, 20] before the exp,
     the estimate to at most 10. Where a clamp binds the gradient is 0 (ref - lp = 4 gives 10, not
     49.6 with gradient -53.6), so one token far from the reference cannot dominate the step."""
-    log_ratio = torch.clamp(reference_logprobs - logprobs, -20.0, 20.0)
+    log_ratio = torch.clamp(reference_logprobs - logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
 
 

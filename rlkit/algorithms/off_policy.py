@@ -13,13 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rlkit.algorithms.losses import sequence_logprobs
+from rlkit.algorithms.losses import LOG_RATIO_BOUND, sequence_logprobs
 from rlkit.data.batch import Batch
 
 OFF_POLICY_CORRECTIONS = ("none", "token_tis", "seq_mask")
-
-# exp of a larger log-ratio overflows float32's range for no useful weight (verl bounds it the same)
-LOG_RATIO_BOUND = 20.0
 
 
 def off_policy_weights(old_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, mask: torch.Tensor,
