@@ -5,6 +5,7 @@ start on the chosen responses (algorithm.warm_start) becomes both the start and 
 import functools
 import logging
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from omegaconf import MISSING
 
@@ -68,8 +69,8 @@ class DPO(SFT):
         chosen_mask = rows["loss_mask"][0::2]
         return BatchTotals(num_tokens=float(chosen_mask.sum()), num_sequences=float((chosen_mask.sum(1) > 0).sum()))
 
-    def step(self, pairs: list, step: int) -> dict:
-        totals = self.hold(pairs)
+    def step(self, rows: Iterator[list], step: int) -> dict:
+        totals = self.hold(next(rows))
         lr = self.set_learning_rate(step)
         m = self.policy.train_held(0, 1, totals, self.objective)
         return {**lr, "train/grad_norm": m["grad_norm"], **self.pair_metrics("train", m, totals)}
@@ -99,7 +100,7 @@ def warm_start_on_chosen(cfg: RootConfig, policy, tokenizer, data: TrainingData,
               lr=LearningRateSchedule(w.lr, w.sft_steps))
     chosen = ShuffledStream([(ids, mask) for ids, mask, _, _ in data.train], w.batch_size, cfg.run.seed)
     for step in range(1, w.sft_steps + 1):
-        loss = sft.step(next(chosen), step)["train/loss"]
+        loss = sft.step(chosen, step)["train/loss"]
         if step % 10 == 0 or step == w.sft_steps:
             log.info("warm start SFT step %d/%d: loss %.3f", step, w.sft_steps, loss)
 

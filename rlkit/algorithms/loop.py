@@ -5,7 +5,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 from omegaconf import DictConfig
 
@@ -54,16 +54,19 @@ class RunContext:
 
 
 class Trainer(Protocol):
-    rows_per_step: int  # rows of the training data each step takes
+    rows_per_step: int  # rows of the training data each next(rows) gives
 
-    def step(self, rows: list, step: int) -> dict: ...
+    def step(self, rows: Iterator[list], step: int) -> dict:
+        """One step; it takes its rows with next(rows), and may take later steps' rows ahead
+        (rollouts generated ahead of training): the stream's state is checkpointed after the step."""
 
     def validate(self) -> dict: ...
 
     def save(self, checkpoint_dir: str) -> None:
         """Every model's weights, optimizer state and RNG into checkpoint_dir. Collective."""
 
-    def load(self, checkpoint_dir: str) -> None: ...
+    def load(self, checkpoint_dir: str, step: int) -> None:
+        """What save wrote after `step`."""
 
     def close(self) -> None:
         """Stop what the trainer started (e.g. environment workers)."""
@@ -80,7 +83,7 @@ def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: Shu
     state = CheckpointManager.controller_state(resume_from) if resume_from else None
     if state is not None:
         log.info("resuming from %s: continuing after step %d", resume_from, state["step"])
-        trainer.load(str(resume_from))
+        trainer.load(str(resume_from), state["step"])
         rows.restore(state["rows"])
     else:
         start = time.perf_counter()
@@ -91,7 +94,7 @@ def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: Shu
     started = time.perf_counter()
     for step in range(first, a.num_steps + 1):
         try:
-            metrics = trainer.step(next(rows), step)
+            metrics = trainer.step(rows, step)
             if step % a.val_every == 0 or step == a.num_steps:
                 metrics.update(trainer.validate())
             logger.log(step, metrics)

@@ -11,11 +11,13 @@ where each shard is held; only per-sample rewards and metrics come back.
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from pathlib import Path
+from typing import Iterator, Optional
 
 import torch
 from omegaconf import MISSING
 
+from rlkit.algorithms.async_rollouts import PENDING_ROLLOUTS, Rollout, RolloutPipeline
 from rlkit.algorithms.dapo_rollouts import (extra_prompts, overlong_filtered, overlong_penalty,
                                             sample_informative_groups)
 from rlkit.algorithms.episodes import Episodes, run_episodes
@@ -61,6 +63,7 @@ class PolicyGradientConfig(AlgorithmConfig):
     overlong_filtering: bool = MISSING
     overlong_buffer: int = MISSING
     overlong_penalty_factor: float = MISSING
+    max_staleness: int = MISSING
     val_greedy: bool = MISSING
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
@@ -119,6 +122,10 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1 (got: {value}); set a positive value")
     validate_warm_start(cfg, dp)
+    if a.max_staleness < 0 or (a.max_staleness > 0 and cfg.cluster.placement != "disaggregated"):
+        raise ConfigError(f"algorithm.max_staleness: must be >= 0, and > 0 only with cluster.placement=disaggregated "
+                          f"(colocated generation and training take turns on the same devices) (got: "
+                          f"{a.max_staleness} with {cfg.cluster.placement}); use 0, or cluster.placement=disaggregated")
     # the trainer's logprobs are log_softmax(logits / T) over the full vocabulary: the sampler must
     # draw from that same distribution, or every ratio in the loss is off-policy
     if g.temperature <= 0 or g.top_p != 1.0 or g.top_k != 0:
@@ -194,6 +201,8 @@ class PolicyGradientTrainer:
         self.models = [m for m in (self.policy, self.critic) if m is not None]  # the trained ones
         sleepers = self.models if cfg.cluster.placement == "colocated" else []
         self.refit = RefitDriver(cfg, self.policy, self.generation, workers.placement_group, sleepers)
+        self.version = 0  # the policy's weight version: training steps applied to it
+        self.rollouts = RolloutPipeline(a.max_staleness, a.num_steps, self.rollout, self.refit.push_weights)
         # what the throughput metrics need: the architecture (from config.json, no weights), the
         # GPU's peak (None on CPU: no MFU) and how many GPUs each phase runs on (a bundle is one)
         self.shape = DecoderShape.of(json.loads((ctx.start_dir / "config.json").read_text()))
@@ -207,15 +216,15 @@ class PolicyGradientTrainer:
         """PPO adds its critic here."""
         return None
 
-    def step(self, rows: list[Prompt], step: int) -> dict:
+    def step(self, rows: Iterator[list[Prompt]], step: int) -> dict:
+        """One step on its rollout, which the pipeline generated from weight version
+        rollout.weight_version (step - 1 on-policy; older with algorithm.max_staleness)."""
         a, timer = self.cfg.algorithm, PhaseTimer()
         with timer("step"):
-            with timer("refit"):
-                refit_metrics = self.refit.sync()
-            episodes, sampling_metrics = self.roll_out(rows, step, timer)
-            with timer("reclaim"):
-                wake_metrics = self.refit.reclaim()  # colocated: the memory goes back to the trained models
-            rewards, summary = episodes.rewards, {**episodes.summary("train"), **sampling_metrics}
+            with timer("rollout_wait"):  # async: how long training waited for generation
+                rollout = self.rollouts.take(step, self.version, rows)
+            episodes = rollout.episodes
+            rewards, summary = episodes.rewards, {**episodes.summary("train"), **rollout.metrics}
             lengths, generated = episodes.lengths.tolist(), episodes.batch["response_mask"].sum().item()
             if a.overlong_filtering:  # after the summary: response lengths count the filtered responses too
                 episodes.batch = episodes.batch.with_fields(
@@ -224,7 +233,7 @@ class PolicyGradientTrainer:
             with timer("logprobs"):
                 totals = minibatch_totals(episodes.batch, self.policy.layout.dp_size, self.minibatches)
                 self.hold(episodes.batch)
-                del episodes  # the token tensors have left the controller: only rewards and metrics stay
+                del episodes, rollout.episodes  # the token tensors have left the controller
                 agreement = agreement_metrics(self.policy.forward_held("old_logprobs"))
                 if a.kl_coef > 0:
                     agreement.update(reference_kl(self.policy.forward_held("reference_logprobs", reference=True)))
@@ -235,9 +244,22 @@ class PolicyGradientTrainer:
                 advantage_metrics = self.algorithm.estimator(self, rewards)
             with timer("train"):
                 train_metrics = self.train(totals, (step - 1) * self.minibatches)
-                self.refit.stale = True
-        return {**summary, **advantage_metrics, **train_metrics, **refit_metrics, **wake_metrics, **timer.seconds,
-                **agreement, **self.performance(lengths, generated, timer.seconds)}
+            self.version = step
+        seconds = {**rollout.seconds, **timer.seconds}
+        versions = {"train/weight_version": rollout.weight_version, "train/staleness": step - 1 - rollout.weight_version}
+        return {**summary, **advantage_metrics, **train_metrics, **seconds, **agreement, **versions,
+                **self.performance(lengths, generated, seconds)}
+
+    def rollout(self, rows: list[Prompt], step: int) -> Rollout:
+        """Step `step`'s rollout from the weights the engines hold (the pipeline's thread): the
+        colocated hand-over, episodes and rewards, the memory back to the trained models."""
+        timer = PhaseTimer()
+        with timer("refit"):
+            hand_over = self.refit.hand_over()
+        episodes, sampling_metrics = self.roll_out(rows, step, timer)
+        with timer("reclaim"):
+            wake_metrics = self.refit.reclaim()  # colocated: the memory goes back to the trained models
+        return Rollout(episodes, {**sampling_metrics, **hand_over, **wake_metrics}, timer.seconds, weight_version=-1)
 
     def roll_out(self, rows: list[Prompt], step: int, timer: PhaseTimer) -> tuple[Episodes, dict]:
         """The step's episodes, group_size per prompt, rewards with the soft overlong penalty
@@ -305,24 +327,38 @@ class PolicyGradientTrainer:
         return out
 
     def validate(self) -> dict:
-        """Answers to held-out prompts from the current policy weights (synced first), sampled as
-        in training or greedy (algorithm.val_greedy); the seed is fixed so runs compare."""
-        refit_metrics = self.refit.sync()
+        """Answers to held-out prompts from the current policy weights (once the launched
+        rollouts are done), sampled as in training or greedy (algorithm.val_greedy); the seed is
+        fixed so runs compare."""
+        refit_metrics = self.rollouts.engines_at_policy(self.version)
+        refit_metrics.pop("timing/refit", None)
+        hand_over = self.refit.hand_over()
         params = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0}) if self.cfg.algorithm.val_greedy \
             else self.sampling
         episodes = self.episodes(self.val_rows, params)
         self.refit.reclaim()  # what follows (training, a checkpoint) needs the trained models' memory
         summary = episodes.summary("val")
-        return {**refit_metrics, **{k: summary[k] for k in ("val/reward", "val/accuracy") if k in summary}}
+        return {**refit_metrics, **hand_over, **{k: summary[k] for k in ("val/reward", "val/accuracy") if k in summary}}
 
     def save(self, checkpoint_dir: str):
+        """The policy, and the rollouts launched ahead (max_staleness > 0): generated from
+        weights the checkpoint no longer holds, they are saved rather than made again."""
         self.policy.save_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
+        if self.cfg.algorithm.max_staleness > 0:
+            torch.save(self.rollouts.pending(), Path(checkpoint_dir) / PENDING_ROLLOUTS)
 
-    def load(self, checkpoint_dir: str):
+    def load(self, checkpoint_dir: str, step: int):
         self.policy.load_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
-        self.refit.stale = True
+        self.version = step
+        path = Path(checkpoint_dir) / PENDING_ROLLOUTS
+        if self.cfg.algorithm.max_staleness > 0 and not path.exists():
+            raise ConfigError(f"algorithm.max_staleness: {checkpoint_dir} was saved with max_staleness=0 (no "
+                              f"{PENDING_ROLLOUTS}): its next steps' rollouts would need weights it does not hold; "
+                              f"resume it with algorithm.max_staleness=0")
+        self.rollouts.restore(torch.load(path, weights_only=False) if path.exists() else {}, step)
 
     def close(self):
+        self.rollouts.close()
         self.envs.shutdown()
 
 

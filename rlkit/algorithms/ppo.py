@@ -110,8 +110,8 @@ class PPO(PolicyGradientTrainer):
         super().save(checkpoint_dir)
         self.critic.save_checkpoint(checkpoint_dir, "dist")
 
-    def load(self, checkpoint_dir: str):
-        super().load(checkpoint_dir)
+    def load(self, checkpoint_dir: str, step: int):
+        super().load(checkpoint_dir, step)
         self.critic.load_checkpoint(checkpoint_dir, "dist")
 
 

@@ -3,6 +3,7 @@ step = one optimizer step on policy.train_global_batch_size examples (packed if 
 
 import functools
 from dataclasses import dataclass
+from typing import Iterator
 
 from rlkit.algorithms.loop import RunContext, TrainingData
 from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
@@ -56,8 +57,8 @@ class SFT:
         rows = pack_sequences(examples, self.cfg.data.max_length, self.pad_id, self.pack)
         return pad_rows(rows, self.policy.layout.dp_size * self.cfg.policy.micro_batch_size, self.pad_id)
 
-    def step(self, examples: list, step: int) -> dict:
-        batch = self.batch(examples)
+    def step(self, rows: Iterator[list], step: int) -> dict:
+        batch = self.batch(next(rows))
         lr = self.set_learning_rate(step)
         metrics = self.policy.train(batch, batch_totals(batch["loss_mask"]), self.objective)
         tokens = max(batch["loss_mask"].sum().item(), 1.0)
@@ -75,7 +76,7 @@ class SFT:
     def save(self, checkpoint_dir: str):
         self.policy.save_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
 
-    def load(self, checkpoint_dir: str):
+    def load(self, checkpoint_dir: str, step: int):
         self.policy.load_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
 
     def close(self):

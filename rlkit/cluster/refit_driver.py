@@ -1,6 +1,7 @@
-"""The controller's half of refit: one plan, one owner. The trainer calls sync() before it
-generates; the driver knows whether the policy's weights changed since the last refit, moves
-them into every generation worker, and orders the colocated memory hand-over.
+"""The controller's half of refit: one plan, one owner. The trainer says when the policy's
+weights go to the generation workers (push_weights: rlkit/algorithms/async_rollouts.py keeps the
+versions), and the driver moves them and orders the colocated memory hand-over around each
+generation (hand_over, reclaim).
 
 How bytes travel is the transport's business; every transport moves the same RefitPlan:
   cpu       Ray's object store: policy rank 0 streams buckets, the controller forwards each
@@ -41,19 +42,25 @@ class RefitDriver:
                                     keep_fp32=tuple(cfg.refit.keep_fp32))
         self.transfer = {"cpu": ObjectStoreTransfer, "cuda_ipc": CudaIpcTransfer, "nccl": NcclTransfer}[
             cfg.refit.transport](policy, generation, placement_group, cfg.refit.channel_host)
-        self.stale = True  # the generation workers do not hold the policy's weights yet
 
-    def sync(self) -> dict:
-        """Before generating: the generation workers get the policy's weights if training (or a
-        checkpoint load) changed them; then (colocated on GPU) the trained models sleep, and the
-        engines wake their KV cache in the memory that freed. Returns refit and memory metrics."""
+    def push_weights(self) -> dict:
+        """The policy's current weights into every generation worker; its metrics. The caller
+        says when: after training changed them, or a checkpoint load."""
         self.generation.wake("weights")
-        metrics = self.transfer(self.plan, self.verify) if self.stale else {}
-        self.stale = False
+        return self.transfer(self.plan, self.verify)
+
+    def hand_over(self) -> dict:
+        """Before generating: (colocated on GPU) the trained models sleep, and the engines wake
+        their KV cache in the memory that freed. Returns the memory metrics."""
+        metrics = {}
         for model in self.sleepers:
             metrics.update(model.sleep())
         self.generation.wake()
         return metrics
+
+    def sync(self) -> dict:
+        """A one-off refit, ready to generate: push_weights, then hand_over."""
+        return {**self.push_weights(), **self.hand_over()}
 
     def reclaim(self) -> dict:
         """After generating: the engines sleep and the trained models come back to the GPU (they

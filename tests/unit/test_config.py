@@ -109,6 +109,11 @@ ERRORS = [
     ("model-path-missing", ["policy.model_path=/nonexistent/rlkit/checkpoint"], "policy.model_path",
      ["/nonexistent/rlkit/checkpoint/config.json does not exist", "give an HF checkpoint directory",
       "tiny://<qwen2|qwen3|qwen3_moe|glm4_moe|llama>"], ["policy.model_path=tiny://qwen3"]),
+    ("async-needs-disaggregated", ["algorithm.max_staleness=1"], "algorithm.max_staleness",
+     ["> 0 only with cluster.placement=disaggregated", "(got: 1 with colocated)"],
+     ["algorithm.max_staleness=1", "cluster.placement=disaggregated"]),
+    ("staleness-negative", ["algorithm.max_staleness=-1", "cluster.placement=disaggregated"], "algorithm.max_staleness",
+     ["must be >= 0", "(got: -1 with disaggregated)"], ["algorithm.max_staleness=0"]),
     # positive counts
     ("micro-batch-zero", ["policy.micro_batch_size=0"], "policy.micro_batch_size", ["must be >= 1", "(got: 0)"],
      ["policy.micro_batch_size=16"]),
