@@ -57,13 +57,15 @@ class RolloutPipeline:
         self.launched: dict[int, Future] = {}  # step -> its rollout, until the step takes it
         self.next_step = 1  # the first step whose rollout is not launched
         self.engine_version: int | None = None  # None: the engines do not hold any policy version
+        self.oldest_version = 0  # after a resume, the checkpoint's: older weights are gone
         self.thread = _SerialThread()
 
     def take(self, step: int, trained_version: int, rows: Iterator[list]) -> Rollout:
         """Step `step`'s rollout, after launching every rollout whose weight version exists
         (<= trained_version, the policy's now); each launched step takes next(rows)."""
         while self.next_step <= self.num_steps and \
-                (version := generation_version(self.next_step, self.max_staleness)) <= trained_version:
+                (version := max(generation_version(self.next_step, self.max_staleness),
+                                self.oldest_version)) <= trained_version:
             refit = {} if version == self.engine_version else self._refit(version, trained_version)
             self.launched[self.next_step] = self.thread.submit(self._roll_out, next(rows), self.next_step,
                                                                version, refit)
@@ -105,7 +107,9 @@ class RolloutPipeline:
 
     def restore(self, pending: dict[int, Rollout], after_step: int) -> None:
         """Continue after `after_step` with a checkpoint's pending rollouts (steps after_step + 1
-        on); the engines hold none of the policy's versions until the next refit."""
+        on); the engines hold none of the policy's versions until the next refit. Resumed with
+        the config it was saved with, no later rollout needs weights older than the checkpoint's;
+        with another max_staleness or num_steps, those that would are made from its weights."""
         self.drain()
         self.launched = {}
         for step, rollout in sorted(pending.items()):
@@ -113,6 +117,7 @@ class RolloutPipeline:
             done.set_result(rollout)
         self.next_step = after_step + 1 + len(pending)
         self.engine_version = None
+        self.oldest_version = after_step
 
     def close(self) -> None:
         self.thread.close()

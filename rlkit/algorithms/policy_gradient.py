@@ -350,11 +350,7 @@ class PolicyGradientTrainer:
     def load(self, checkpoint_dir: str, step: int):
         self.policy.load_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
         self.version = step
-        path = Path(checkpoint_dir) / PENDING_ROLLOUTS
-        if self.cfg.algorithm.max_staleness > 0 and not path.exists():
-            raise ConfigError(f"algorithm.max_staleness: {checkpoint_dir} was saved with max_staleness=0 (no "
-                              f"{PENDING_ROLLOUTS}): its next steps' rollouts would need weights it does not hold; "
-                              f"resume it with algorithm.max_staleness=0")
+        path = Path(checkpoint_dir) / PENDING_ROLLOUTS  # absent: saved with max_staleness=0
         self.rollouts.restore(torch.load(path, weights_only=False) if path.exists() else {}, step)
 
     def close(self):

@@ -26,7 +26,7 @@ from rlkit.launch.run import train
 
 pytestmark = pytest.mark.integration
 RUN = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3", "algorithm.prompts_per_step=8",
-       "policy.train_global_batch_size=64", "algorithm.warm_start.sft_steps=4", "algorithm.kl_coef=0.01",
+       "policy.train_global_batch_size=64", "algorithm.warm_start.sft_steps=60", "algorithm.kl_coef=0.01",
        "policy.optimizer.lr_schedule=cosine", "policy.optimizer.warmup_steps=2", "policy.optimizer.min_lr_ratio=0.1"]
 
 
@@ -74,6 +74,8 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, 
     ends with exactly the metrics of an uninterrupted run."""
     # the KL reference is the starting policy: exactly 0 before the first update
     assert reference_run[1]["train/reference_kl"] == 0.0
+    # the warm start gives rewards to learn from: every step moves the weights that resume must restore
+    assert all(reference_run[step]["train/grad_norm"] > 0.1 for step in range(1, 7))
     run_dir = tmp_path / "grpo_tiny_cpu"
     checkpoints = run_dir / "checkpoints"
     kill_points = {

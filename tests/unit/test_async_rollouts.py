@@ -121,3 +121,15 @@ def test_pending_rollouts_restored_continue_exactly(k):
         assert (rollout.episodes, rollout.weight_version) == (uninterrupted[step].episodes,
                                                               uninterrupted[step].weight_version)
     resumed.close()
+
+
+def test_resumed_with_more_staleness_the_rollouts_never_need_weights_older_than_the_checkpoint():
+    """A checkpoint saved on-policy (no pending rollouts) resumed with max_staleness=2: steps
+    whose scheduled version predates the checkpoint are made from the checkpoint's weights."""
+    engines = FakeEngines()
+    engines.policy_version = 4
+    pipeline = RolloutPipeline(2, 9, engines.roll_out, engines.refit)
+    pipeline.restore({}, after_step=4)
+    taken = run(pipeline, engines, 9, first=5)
+    assert {step: r.weight_version for step, r in taken.items()} == {5: 4, 6: 4, 7: 5, 8: 5, 9: 7}
+    pipeline.close()
