@@ -41,6 +41,7 @@ class Workload:
     steps: int = 5
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = False  # False: vLLM captures CUDA graphs
+    seed_per_request: bool = False  # False: sampled as the peer samples, without a seed per request
     kl_coef: float = 0.0
 
 
@@ -69,7 +70,8 @@ def rlkit_overrides(w: Workload, model_dir: Path, run_dir: Path, cache_dir: Path
     if vllm:
         overrides += [f"generation.vllm.max_model_len={w.max_prompt_tokens + w.response_tokens}",
                       f"generation.vllm.gpu_memory_utilization={w.gpu_memory_utilization}",
-                      f"generation.vllm.enforce_eager={str(w.enforce_eager).lower()}"]
+                      f"generation.vllm.enforce_eager={str(w.enforce_eager).lower()}",
+                      f"generation.vllm.seed_per_request={str(w.seed_per_request).lower()}"]
     return overrides
 
 

@@ -70,6 +70,7 @@ class VllmEngineConfig:
     gpu_memory_utilization: float = MISSING
     max_model_len: int = MISSING
     enforce_eager: bool = MISSING
+    seed_per_request: bool = MISSING
 
 
 @dataclass

@@ -28,7 +28,7 @@ class VLLMGenerationWorker(GenerationWorker):
         from vllm import LLM
 
         v = cfg.vllm
-        self.rank, self.sleep_mode = rank, sleep_mode
+        self.rank, self.sleep_mode, self.seed_per_request = rank, sleep_mode, v.seed_per_request
         self.llm = LLM(model=model_dir, tensor_parallel_size=v.tensor_parallel_size,
                        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
                        enforce_eager=v.enforce_eager, seed=seed + rank, load_format="dummy",
@@ -68,17 +68,19 @@ class VLLMGenerationWorker(GenerationWorker):
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
-        # the engine's sampler is reseeded from the call's seed (and this engine's rank): the samples depend on the
-        # step, not on what this engine sampled before, so a resumed run (a fresh engine) draws what the first one
-        # did. Not a seed per request: vLLM then draws each request's noise in a Python loop, one kernel per row
-        # and decode step, which costs seconds of a step with hundreds of rows.
-        self._rpc("rlkit_seed_sampler", params.seed * 1_000_003 + self.rank)
-        sampling = VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
-                                      top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
-                                      logprobs=0, ignore_eos=params.ignore_eos,
-                                      # rlkit decodes what it needs itself; flat logprobs are a few lists per
-                                      # request, not a dict and an object per token
-                                      detokenize=False, flat_logprobs=True)
+        # samples depend on the call's seed and this engine's rank, not on what the engine sampled before
+        call_seed = params.seed * 1_000_003 + self.rank
+        common = dict(max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+                      top_k=params.top_k if params.top_k > 0 else -1, logprobs=0, ignore_eos=params.ignore_eos,
+                      # rlkit decodes what it needs itself; flat logprobs are a few lists per request, not a
+                      # dict and an object per token
+                      detokenize=False, flat_logprobs=True)
+        if self.seed_per_request:  # exact on resume (generation.vllm.seed_per_request)
+            sampling = [VllmSamplingParams(**common, seed=(call_seed * 2**20 + i) % 2**63)
+                        for i in range(len(prompt_ids))]
+        else:  # one noise draw for the whole batch: its rows follow vLLM's batching, so not exact on resume
+            self._rpc("rlkit_seed_sampler", call_seed)
+            sampling = VllmSamplingParams(**common)
         if self._prefix_cache_stale:  # cached KV was computed with the old weights
             self.llm.reset_prefix_cache()
             self._prefix_cache_stale = False
