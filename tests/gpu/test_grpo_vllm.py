@@ -1,4 +1,4 @@
-"""GRPO end to end with vLLM generation: colocated on one GPU, disaggregated on two."""
+"""GRPO end to end with vLLM generation, dense and MoE: colocated on one GPU, disaggregated on two."""
 
 import math
 
@@ -10,11 +10,17 @@ COLOCATED = ["cluster.placement=colocated", "refit=cuda_ipc"]
 DISAGGREGATED = ["cluster.placement=disaggregated", "refit=nccl"]
 
 
+# tiny Qwen3-MoE (4 experts, top-2): vLLM's fused experts receive the refit
+MOE = ["policy.model_path=tiny://qwen3_moe"]
+
+
 @pytest.mark.parametrize("layout", [pytest.param(COLOCATED, id="cuda_ipc"),
-                                    pytest.param(DISAGGREGATED, id="nccl", marks=pytest.mark.gpus(2))])
-def test_grpo_with_vllm(ray_cluster, make_cfg, layout):
+                                    pytest.param(DISAGGREGATED, id="nccl", marks=pytest.mark.gpus(2)),
+                                    pytest.param(COLOCATED + MOE, id="moe-cuda_ipc"),
+                                    pytest.param(DISAGGREGATED + MOE, id="moe-nccl", marks=pytest.mark.gpus(2))])
+def test_grpo_with_vllm(ray_cluster, make_cfg, layout, request):
     cfg, resolved = make_cfg(*layout, "algorithm.num_steps=3", "algorithm.val_every=3",
-                             "algorithm.warm_start.sft_steps=20", f"run.name=gpu_{layout[0].split('=')[1]}")
+                             "algorithm.warm_start.sft_steps=20", f"run.name=gpu_{request.node.callspec.id}")
     result = train(cfg, resolved)
     assert len(result.history) == 4
     for metrics in result.history[1:]:
@@ -22,6 +28,6 @@ def test_grpo_with_vllm(ray_cluster, make_cfg, layout):
         assert metrics["refit/token_mult_prob_error"] <= 1.05
         if cfg.cluster.placement == "colocated":  # the policy's memory was freed while vLLM generated
             assert metrics["memory/policy_offloaded_gb"] > 0
-    print(f"GRPO {cfg.refit.transport}: " + ", ".join(
+    print(f"GRPO {request.node.callspec.id}: " + ", ".join(
         f"step {i}: reward {m['train/reward']:.3f} mult_err {m['refit/token_mult_prob_error']:.4f}"
         for i, m in enumerate(result.history[1:], 1)))
