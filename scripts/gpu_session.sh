@@ -4,6 +4,8 @@
 #   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (layer by layer, and the recipe's), GRPO run
 #   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> [train_mfu.py args]    issue 16's benchmarks
 #   bash scripts/gpu_session.sh e2e-verl [seconds] [e2e_verl.py args]    verl 0.9.1 on SmolLM2 from /tmp/site-verl (scripts/verl_stack.sh)
+#   bash scripts/gpu_session.sh async <s> <k,...> [async_grpo.py args]    issue 18: SmolLM2 GRPO, disaggregated on 2 GPUs, per
+#     max_staleness (one per call: async 590 0 --timeout 570, then async 590 1 --timeout 570; results merge in /tmp/async_grpo.json)
 set -uo pipefail
 source /tmp/gpucarry/env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RLKIT_TEST_METRICS=${OUT:-/tmp/rlkit_out}/metrics
@@ -34,6 +36,8 @@ case "$1" in
   smollm2-gap) smollm2; gap ;;
   smollm2-train) smollm2; train_smollm2 "${2:-560}" "${@:3}" ;;
   e2e-verl) smollm2; e2e_verl "${2:-480}" "${@:3}" ;;
+  async) smollm2; timeout "$2" python3 benchmarks/async_grpo.py --staleness "$3" --out /tmp/async_grpo.json "${@:4}" \
+           2>&1 | tee -a "$OUT/async_grpo.log" | tail -4; cp /tmp/async_grpo.json "$OUT/" 2>/dev/null ;;  # 2 GPUs; async <s> <k,...>
   tests) tests 560 ;;
   tests-of) tests "$2" "${*:3}" ;;  # tests-of <seconds> <pytest arguments...>
   e2e) timeout "$2" python3 benchmarks/e2e.py --out "$OUT/e2e_$3.json" --model "${@:3}" 2>&1 | grep -v "^(\|Warn" \
