@@ -13,7 +13,7 @@ from rlkit.algorithms.registry import load_algorithm
 from rlkit.algorithms.warm_start import cached_warm_start, warm_start_dir
 from rlkit.checkpoint import CheckpointManager
 from rlkit.cluster.setup import start_workers
-from rlkit.config.schema import RootConfig
+from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.batch import rollout_batch
 from rlkit.data.generation import SamplingParams
 from rlkit.data.stream import ShuffledStream
@@ -40,6 +40,8 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
                  "nothing to do (raise algorithm.num_steps to train on, or set run.name for a new run)",
                  cfg.run.name, resume_from, state_step, cfg.algorithm.num_steps)
         return RunResult(read_history(run_dir, state_step), run_dir)
+    if resume_from is not None:
+        check_expert_layout(cfg, OmegaConf.load(resume_from / "config.yaml"), resume_from)
     model_dir = resolve_model_dir(cfg)
     tokenizer = load_tokenizer(model_dir)
     data = algorithm.load_data(cfg, tokenizer)
@@ -92,6 +94,18 @@ def verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
         return metrics
     finally:
         workers.shutdown(keep_ray_logs=_failing())
+
+
+def check_expert_layout(cfg: RootConfig, saved: DictConfig, checkpoint_dir: Path) -> None:
+    """Before any worker starts: a checkpoint loads only at the expert parallel size it was saved
+    at. Megatron keys the optimizer state by it (one optimizer at EP=1, a dense and an expert one
+    above), so another EP fails deep inside the load."""
+    saved_ep = saved.policy.get("expert_parallel_size", 1)
+    if saved_ep != cfg.policy.expert_parallel_size:
+        raise ConfigError(f"policy.expert_parallel_size: {checkpoint_dir} was saved at {saved_ep} and this run asks "
+                          f"for {cfg.policy.expert_parallel_size}; its optimizer state loads only at the size it was "
+                          f"saved at: resume with policy.expert_parallel_size={saved_ep}, or export the weights "
+                          f"(rlkit convert) and start a new run from them")
 
 
 def export_hf(checkpoint_dir: Path, out_dir: Path) -> Path:

@@ -106,3 +106,18 @@ def test_keep_last_keeps_the_newest_intact_checkpoints_past_a_damaged_newer_one(
     # once an intact newer checkpoint exists, the older ones go as usual
     save(manager(tmp_path, keep_last=1), 6)
     assert [p.name for p in manager(tmp_path).complete()] == ["step_000006"]
+
+
+def test_a_checkpoint_saved_at_another_expert_parallel_size_is_one_config_error(tmp_path):
+    """Megatron keys an MoE optimizer's state by the expert parallel size (one optimizer at EP=1,
+    a dense and an expert one above): resuming at another size is refused before workers start."""
+    from rlkit.launch.config import load_config
+    from rlkit.launch.run import check_expert_layout
+
+    moe = ["policy.model_path=tiny://qwen3_moe", f"run.cache_dir={tmp_path}", f"run.output_dir={tmp_path}"]
+    saved_cfg, saved = load_config("grpo_tiny_cpu", [*moe, "policy.expert_parallel_size=2"])
+    check_expert_layout(saved_cfg, saved, tmp_path / "step_000002")  # the same size resumes
+    now, _ = load_config("grpo_tiny_cpu", moe)
+    with pytest.raises(ConfigError, match=r"^policy\.expert_parallel_size: .*step_000002 was saved at 2 and this run "
+                                          r"asks for 1; .*resume with policy\.expert_parallel_size=2"):
+        check_expert_layout(now, saved, tmp_path / "step_000002")
