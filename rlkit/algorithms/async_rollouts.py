@@ -40,7 +40,7 @@ class Rollout:
     episodes: object  # rlkit.algorithms.episodes.Episodes
     metrics: dict  # sampling metrics, the refit before it (if any), the engines' hand-over
     seconds: dict  # timing/<phase> of its generation, reward, refit and reclaim phases
-    weight_version: int
+    weight_version: int | None = None  # set by the pipeline that launched it
 
 
 class RolloutPipeline:

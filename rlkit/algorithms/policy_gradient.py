@@ -259,7 +259,7 @@ class PolicyGradientTrainer:
         episodes, sampling_metrics = self.roll_out(rows, step, timer)
         with timer("reclaim"):
             wake_metrics = self.refit.reclaim()  # colocated: the memory goes back to the trained models
-        return Rollout(episodes, {**sampling_metrics, **hand_over, **wake_metrics}, timer.seconds, weight_version=-1)
+        return Rollout(episodes, {**sampling_metrics, **hand_over, **wake_metrics}, timer.seconds)
 
     def roll_out(self, rows: list[Prompt], step: int, timer: PhaseTimer) -> tuple[Episodes, dict]:
         """The step's episodes, group_size per prompt, rewards with the soft overlong penalty

@@ -44,7 +44,7 @@ class FakeEngines:
         self.busy.clear()
         if step == self.fail_at:
             raise RuntimeError(f"engine died in step {step}")
-        return Rollout(episodes=rows, metrics={"made_from": self.engine_version}, seconds={}, weight_version=-1)
+        return Rollout(episodes=rows, metrics={"made_from": self.engine_version}, seconds={})
 
     def refit(self):
         assert not self.busy.is_set(), "a refit ran while a rollout was generating"
