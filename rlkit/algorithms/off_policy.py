@@ -5,8 +5,8 @@ rollout. The samples were drawn by the generation engine, whose logprobs (genera
 differ from the trainer's even with the same weights (kernels, precision: the train-inference
 mismatch) and, when generation runs ahead, by whole weight updates. These weights correct for
 that gap, computed once per step where the rollout is held and multiplied into each token's
-policy-gradient loss. In this synchronous loop the behaviour policy is the engine and the
-proximal one the trainer's old_logprobs.
+policy-gradient loss. The behaviour policy is the engine (at the weight version that generated
+the rollout: older with algorithm.max_staleness) and the proximal one the trainer's old_logprobs.
 """
 
 from dataclasses import dataclass

@@ -331,7 +331,7 @@ class PolicyGradientTrainer:
         rollouts are done), sampled as in training or greedy (algorithm.val_greedy); the seed is
         fixed so runs compare."""
         refit_metrics = self.rollouts.engines_at_policy(self.version)
-        refit_metrics.pop("timing/refit", None)
+        refit_metrics.pop("timing/refit", None)  # the step's timing/refit is its rollout's; this one is validation's
         hand_over = self.refit.hand_over()
         params = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0}) if self.cfg.algorithm.val_greedy \
             else self.sampling

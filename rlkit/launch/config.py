@@ -21,11 +21,11 @@ from rlkit.algorithms.registry import load_algorithm
 from rlkit.bridge import ATTENTION_BACKENDS
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
+from rlkit.cluster.refit_driver import TRANSPORTS
 from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig
 from rlkit.data.arithmetic import synthetic_splits
 from rlkit.envs.base import check_environment_config
 from rlkit.models.tiny import ARCHITECTURES, TINY_EXPERTS, TINY_HEADS, parse_tiny
-from rlkit.cluster.refit_driver import TRANSPORTS
 from rlkit.workers.policy.offload import OFFLOAD_MODES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
