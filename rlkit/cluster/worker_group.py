@@ -26,10 +26,11 @@ DEATH_GRACE_S = 5.0
 
 @ray.remote(num_cpus=0)
 def _free_address() -> tuple[str, int]:
-    """A TCP address for torch.distributed's rendezvous on the node of the worker's bundle."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    """A free TCP port on the address of the node of the worker's bundle, for a rendezvous there."""
+    address = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+        s.bind((address, 0))
+        return address, s.getsockname()[1]
 
 
 def rendezvous_address(placement_group, bundle_index: int) -> tuple[str, int]:

@@ -28,7 +28,9 @@ from rlkit.data.packing import packed_attention_mask
 from rlkit.observability.logprob_agreement import agreement_sums, reference_kl_sums
 from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.refit.sender import RefitSender, sending_half
+from rlkit.workers.policy import dist_checkpoint
 from rlkit.workers.policy.offload import HostOffload, pinned_bandwidth
+from rlkit.workers.rendezvous import init_process_group
 
 ON_GPU = torch.cuda.is_available()
 # The distributed optimizer's state in a canonical per-parameter layout, so a checkpoint loads at
@@ -63,8 +65,8 @@ class MegatronModelWorker:
             torch.cuda.set_device(0)  # Ray gives each actor its GPU as device 0
         self.cfg = cfg
         self.rank = rank
-        dist.init_process_group("nccl" if ON_GPU else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s))
+        init_process_group("nccl" if ON_GPU else "gloo", master_addr, master_port, rank, world_size,
+                           timedelta(seconds=collective_timeout_s), node_address=ray.util.get_node_ip_address())
         from megatron.core import parallel_state as mpu
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -475,7 +477,6 @@ class MegatronModelWorker:
         """Weights, optimizer state and this rank's RNG into ckpt_dir. Collective.
         dist: Megatron distributed checkpoint (reshardable to another TP/PP);
         hf: weights through the bridge (loadable by transformers) + per-rank optimizer state."""
-        from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         own_dir = os.path.join(ckpt_dir, self.name)
@@ -486,7 +487,7 @@ class MegatronModelWorker:
         dist.barrier()
         if save_format == "dist":
             model_state = self._inner_model().sharded_state_dict()
-            dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(
+            dist_checkpoint.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(
                 model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir)
         else:
             self.bridge.save_hf_weights(self.model, os.path.join(own_dir, "hf"))

@@ -1,0 +1,57 @@
+"""torch.distributed process groups that listen on one address: the node's own.
+
+torch's TCPStore server binds every interface (`::`) whatever host it is given, and gloo and NCCL
+pick their interface from the hostname. A store has no authentication, so a run on a loopback
+cluster must not be reachable from the network: rank 0 binds the store's socket itself and hands
+it over, and gloo/NCCL are told which interface holds the address."""
+
+import ipaddress
+import os
+import socket
+from datetime import timedelta
+
+import psutil
+import torch.distributed as dist
+
+# the variables gloo and NCCL read for the interface their sockets use
+INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def interface_of(address: str) -> str:
+    """The name of this machine's network interface whose network holds `address` (e.g. 'lo' for
+    127.0.0.1, and for 127.0.0.2, which no interface names but lo's 127.0.0.0/8 routes)."""
+    target = ipaddress.ip_address(address)
+    for name, addresses in psutil.net_if_addrs().items():
+        for a in addresses:
+            if a.family not in (socket.AF_INET, socket.AF_INET6) or not a.netmask:
+                continue
+            prefix = bin(int(ipaddress.ip_address(a.netmask))).count("1")
+            network = ipaddress.ip_network(f"{a.address.split('%')[0]}/{prefix}", strict=False)
+            if target.version == network.version and target in network:
+                return name
+    raise RuntimeError(f"no network interface of this machine reaches {address}, the worker's Ray node address")
+
+
+def use_interface_of(address: str) -> None:
+    """gloo and NCCL listen on the interface of `address`, unless the user chose one already."""
+    name = interface_of(address)
+    for variable in INTERFACE_VARIABLES:
+        os.environ.setdefault(variable, name)
+
+
+def init_process_group(backend: str, host: str, port: int, rank: int, world_size: int, timeout: timedelta,
+                       node_address: str) -> None:
+    """dist.init_process_group with its store on host:port (rank 0 serves it, bound to `host` alone)
+    and gloo/NCCL sockets on the interface of node_address, this worker's own node."""
+    use_interface_of(node_address)
+    listen_fd = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server = socket.socket(family, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((host, port))
+        server.listen(world_size)
+        listen_fd = server.detach()  # the store owns the socket from here on, and closes it
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+                          master_listen_fd=listen_fd)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -1,0 +1,47 @@
+"""torch.distributed rendezvous on one address: the store and gloo listen on loopback alone."""
+
+import socket
+from datetime import timedelta
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlkit.workers import rendezvous
+from rlkit.workers.rendezvous import init_process_group, interface_of
+
+
+def loopback_interface() -> str:
+    return next(name for name, addresses in psutil.net_if_addrs().items()
+                if any(a.address == "127.0.0.1" for a in addresses))
+
+
+def test_an_address_maps_to_the_interface_whose_network_holds_it():
+    assert interface_of("127.0.0.1") == loopback_interface()
+    assert interface_of("127.0.0.3") == loopback_interface()  # no interface names it; lo's /8 holds it
+    with pytest.raises(RuntimeError, match="no network interface of this machine reaches 203.0.113.7"):
+        interface_of("203.0.113.7")  # TEST-NET-3: never assigned
+
+
+def listening() -> list[tuple[str, int]]:
+    return [(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN]
+
+
+def test_a_process_group_listens_on_its_node_address_only(monkeypatch):
+    for variable in rendezvous.INTERFACE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    before = set(listening())
+    init_process_group("gloo", "127.0.0.1", port, 0, 1, timedelta(seconds=30), node_address="127.0.0.1")
+    try:
+        tensor = torch.ones(3)
+        dist.all_reduce(tensor)
+        opened = set(listening()) - before
+        assert ("127.0.0.1", port) in opened  # the store, bound where it was told
+        assert opened and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip, _ in opened), opened
+    finally:
+        dist.destroy_process_group()
