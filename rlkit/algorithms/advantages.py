@@ -3,7 +3,11 @@
 Token-level estimators run where a rollout shard is held (rlkit/workers/policy/megatron.py);
 statistics over the whole batch, such as whitening, take `reduce(tensor, op)`, which combines a
 tensor over every shard with op in {"sum", "min", "max"}. The default, `whole_batch`, is the
-identity: the tensors are the whole batch."""
+identity: the tensors are the whole batch.
+
+Group estimators (GRPO, RLOO, group centring) take the group structure as a group_size (uniform
+groups, each prompt's samples adjacent) or as [B] group ids (groups of any size, one-sample groups
+included; see group_index)."""
 
 import torch
 
@@ -12,47 +16,87 @@ def whole_batch(tensor: torch.Tensor, op: str) -> torch.Tensor:
     return tensor
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
+def group_index(groups: int | torch.Tensor, count: int) -> torch.Tensor:
+    """[count] index in 0..G-1 of each sample's group, from either form of the group structure:
+    an int group_size (the samples of one prompt adjacent, every group that size) or [count]
+    integer group ids (samples with one id form a group, anywhere in the batch, of any size;
+    indices follow the sorted ids)."""
+    if isinstance(groups, int):
+        if groups < 1 or count % groups:
+            raise ValueError(f"{count} rewards do not form groups of {groups} (need group_size >= 1 dividing them)")
+        return torch.arange(count) // groups
+    if groups.shape != (count,) or groups.is_floating_point():
+        raise ValueError(f"group ids must be an integer tensor of shape [{count}], one per reward (got: "
+                         f"{groups.dtype} of shape {list(groups.shape)})")
+    return torch.unique(groups, return_inverse=True)[1]
+
+
+def _within_groups(rewards: torch.Tensor, groups: int | torch.Tensor, within) -> torch.Tensor:
+    """[B] float32: within([n, size] rewards of n groups of one size) -> [n, size], applied to the
+    groups of each size stacked; a one-sample group gets 0 (nothing to compare it with). Uniform
+    adjacent groups are one stack, rewards.view(-1, group_size), so they get exactly what a
+    per-row reduction over that view gives."""
+    values = rewards.float()
+    index = group_index(groups, values.numel())
+    order = torch.argsort(index, stable=True)  # each group's samples together, in their order
+    sizes = torch.bincount(index)
+    starts = sizes.cumsum(0) - sizes
+    out = torch.zeros_like(values)
+    for size in sizes.unique().tolist():
+        if size > 1:
+            rows = order[starts[sizes == size].unsqueeze(1) + torch.arange(size)]  # [n, size] positions
+            out[rows] = within(values[rows])
+    return out
+
+
+def _centered(grouped: torch.Tensor) -> torch.Tensor:
+    """[n, size] rewards minus their row's mean; rows of equal rewards give exactly 0 (no float
+    rounding of the mean)."""
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    return torch.where(_all_equal(grouped), torch.zeros_like(centered), centered)
+
+
+def _all_equal(grouped: torch.Tensor) -> torch.Tensor:
+    return (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+
+
+def grpo_advantages(rewards: torch.Tensor, groups: int | torch.Tensor, normalize_std: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages (GRPO, Shao et al. 2024, arXiv:2402.03300).
 
-    rewards: [num_prompts * group_size], the samples of one prompt adjacent.
+    rewards: [B]; groups: group_size or [B] group ids (see group_index; groups may differ in size).
     A_i = (r_i - mean(group)) / (std(group) + eps). With normalize_std=False this is
     Dr.GRPO (Liu et al. 2025, arXiv:2503.20783), which drops the std division because it
     over-weights prompts whose rewards barely vary. std is the unbiased sample std.
-    Groups with equal rewards get advantage 0. Returns [num_prompts * group_size].
+    Groups with equal rewards get exactly 0, and so does a one-sample group. Returns [B] float32.
     """
-    centered = _centered_groups(rewards, group_size)
-    if normalize_std:
-        centered = centered / (rewards.float().view(-1, group_size).std(dim=1, keepdim=True) + eps)
-    return centered.view(-1)
+    def normalized(grouped: torch.Tensor) -> torch.Tensor:
+        centered = _centered(grouped)
+        return centered / (grouped.std(dim=1, keepdim=True) + eps) if normalize_std else centered
+
+    return _within_groups(rewards, groups, normalized)
 
 
-def _centered_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """rewards [num_prompts * group_size] minus their group's mean, as [num_prompts, group_size];
-    groups with equal rewards give exactly 0 (no float rounding of the mean)."""
-    if group_size < 2 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size} (need group_size >= 2)")
-    grouped = rewards.float().view(-1, group_size)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
-    all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(all_equal, torch.zeros_like(centered), centered)
+def group_centered(rewards: torch.Tensor, groups: int | torch.Tensor) -> torch.Tensor:
+    """[B] rewards minus their group's mean (groups: see group_index); equal groups and one-sample
+    groups give exactly 0."""
+    return _within_groups(rewards, groups, _centered)
 
 
-def group_centered(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[num_prompts * group_size] rewards minus their group's mean (equal groups: exactly 0)."""
-    return _centered_groups(rewards, group_size).view(-1)
-
-
-def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, groups: int | torch.Tensor) -> torch.Tensor:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740).
 
-    rewards: [num_prompts * group_size], the samples of one prompt adjacent.
-    A_i = r_i - mean_{j != i} r_j over the group, computed as G/(G-1) * (r_i - mean(group)),
-    which is the same quantity. Groups with equal rewards get exactly 0.
-    Returns [num_prompts * group_size].
+    rewards: [B]; groups: group_size or [B] group ids (see group_index; groups may differ in size).
+    A_i = r_i - mean_{j != i} r_j over the group, computed as G/(G-1) * (r_i - mean(group)) with G
+    the group's size, which is the same quantity. Groups with equal rewards get exactly 0. A
+    one-sample group has no other sample to form its baseline (undefined): it gets 0, no signal.
+    Returns [B] float32.
     """
-    return (_centered_groups(rewards, group_size) * (group_size / (group_size - 1))).view(-1)
+    def leave_one_out(grouped: torch.Tensor) -> torch.Tensor:
+        size = grouped.shape[1]
+        return _centered(grouped) * (size / (size - 1))
+
+    return _within_groups(rewards, groups, leave_one_out)
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, reduce=whole_batch) -> torch.Tensor:
@@ -77,7 +121,7 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, reduce=w
 
 
 def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float,
-                            group_size: int | None = None, eps: float = 1e-8, reduce=whole_batch,
+                            groups: int | torch.Tensor | None = None, eps: float = 1e-8, reduce=whole_batch,
                             gamma: float = 1.0) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): token-level returns, whitened over the batch.
 
@@ -89,12 +133,13 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, kl: torch
     tokens after t up to t' (the discounted return-to-go: only masked tokens are steps, as in
     gae_advantages; gamma = 1 is the paper's undiscounted return), then whitened over all masked
     tokens of the batch (see whiten; fewer than 2 masked tokens give 0).
-    group_size (REINFORCE++-baseline) first subtracts each group's mean reward; a zero-length
-    sample still counts in its group's mean (over shards: centre on the controller, pass None).
+    groups (REINFORCE++-baseline; group_size or [B] group ids, see group_index) first subtracts
+    each group's mean reward (a one-sample group: its reward becomes 0); a zero-length sample
+    still counts in its group's mean (over shards: centre on the controller, pass None).
     Rows with no masked token get 0. Returns [B, S] float32.
     """
     keep = mask.bool()
-    scalar = rewards.float() if group_size is None else group_centered(rewards, group_size)
+    scalar = rewards.float() if groups is None else group_centered(rewards, groups)
     kl_rewards = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
     if kl is not None:
         kl_rewards = torch.where(keep, -kl_coef * kl.float(), kl_rewards)

@@ -108,8 +108,8 @@ class RolloutPipeline:
     def restore(self, pending: dict[int, Rollout], after_step: int) -> None:
         """Continue after `after_step` with a checkpoint's pending rollouts (steps after_step + 1
         on); the engines hold none of the policy's versions until the next refit. Resumed with
-        the config it was saved with, no later rollout needs weights older than the checkpoint's;
-        with another max_staleness or num_steps, those that would are made from its weights."""
+        the config it was saved with (the launch refuses another max_staleness or num_steps), no
+        later rollout needs weights older than the checkpoint's; any that would is made from its weights."""
         self.drain()
         self.launched = {}
         for step, rollout in sorted(pending.items()):

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from rlkit.algorithms.advantages import group_index
 from rlkit.algorithms.episodes import Episodes, concat_episodes
 
 
@@ -24,11 +25,15 @@ def overlong_filtered(response_mask: torch.Tensor, truncated: torch.Tensor) -> t
     return response_mask * (~truncated).to(response_mask.dtype).unsqueeze(1)
 
 
-def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[G] bool per prompt group of group_size consecutive samples: its rewards are not all
-    equal. A group of equal rewards has zero group-relative advantage: no gradient signal."""
-    groups = rewards.view(-1, group_size)
-    return (groups != groups[:, :1]).any(dim=1)
+def informative_groups(rewards: torch.Tensor, groups: int | torch.Tensor) -> torch.Tensor:
+    """[G] bool per group (group_size or [B] group ids, in group_index's order): its rewards are
+    not all equal. A group of equal rewards, or of one sample, has zero group-relative advantage:
+    no gradient signal."""
+    index = group_index(groups, rewards.numel())
+    count, values = int(torch.bincount(index).numel()), rewards.float()
+    lowest = torch.full((count,), float("inf")).scatter_reduce(0, index, values, "amin")
+    highest = torch.full((count,), float("-inf")).scatter_reduce(0, index, values, "amax")
+    return lowest < highest
 
 
 def extra_prompts(rows: list, count: int, seed: int, step: int, round_: int) -> list:
@@ -40,21 +45,23 @@ def extra_prompts(rows: list, count: int, seed: int, step: int, round_: int) -> 
 
 
 def sample_informative_groups(prompts: list, roll_out: Callable[[list, int], Episodes],
-                              draw: Callable[[int], list], group_size: int, max_extra_rounds: int,
+                              draw: Callable[[int], list], max_extra_rounds: int,
                               pad_id: int) -> tuple[Episodes, dict]:
-    """DAPO's dynamic sampling: roll out the prompts (roll_out(prompts, round) gives group_size
-    episodes per prompt, in prompt order), keep the groups whose rewards differ, and roll out
-    draw(round) for more until len(prompts) groups are kept or max_extra_rounds extra rounds
-    have run. Kept groups beyond len(prompts) are dropped; if the cap is reached first, the
-    batch is filled with dropped groups (first dropped first), so the batch keeps its size.
-    Metrics: train/dynamic_sampling_rounds (rounds run), train/dynamic_sampling_dropped_groups
-    (groups of equal rewards, all rounds), train/dynamic_sampling_filled_groups."""
+    """DAPO's dynamic sampling: roll out the prompts (roll_out(prompts, round) gives episodes
+    whose group_ids tell each prompt's group, of any size), keep the groups whose rewards differ,
+    and roll out draw(round) for more until len(prompts) groups are kept or max_extra_rounds
+    extra rounds have run. Kept groups beyond len(prompts) are dropped; if the cap is reached
+    first, the batch is filled with dropped groups (first dropped first), so the batch keeps its
+    number of groups. Every group stays whole and one group in the batch. Metrics, in groups:
+    train/dynamic_sampling_rounds (rounds run), train/dynamic_sampling_dropped_groups (groups of
+    equal rewards or of one sample, all rounds), train/dynamic_sampling_filled_groups."""
     wanted, kept, dropped, rollouts = len(prompts), [], [], []
     for round_ in range(max_extra_rounds + 1):
         episodes = roll_out(prompts if round_ == 0 else draw(round_), round_)
         rollouts.append(episodes)
-        for group, informative in enumerate(informative_groups(episodes.rewards, group_size).tolist()):
-            rows = episodes.select(list(range(group * group_size, (group + 1) * group_size)))
+        index = group_index(episodes.group_ids, episodes.rewards.numel())
+        for group, informative in enumerate(informative_groups(episodes.rewards, index).tolist()):
+            rows = episodes.select((index == group).nonzero().squeeze(1).tolist())
             (kept if informative else dropped).append(rows)
         if len(kept) >= wanted:
             break

@@ -1,4 +1,4 @@
-"""DPO and its variants (IPO, hinge, robust) on (prompt, chosen, rejected) file rows against the
+"""DPO and its variants (sigmoid_norm, IPO, hinge, robust, LD-DPO) on (prompt, chosen, rejected) file rows against the
 frozen starting policy. One step = one optimizer step on policy.train_global_batch_size / 2 pairs. An optional SFT warm
 start on the chosen responses (algorithm.warm_start) becomes both the start and the reference."""
 
@@ -21,7 +21,6 @@ from rlkit.data.batch import Batch, BatchTotals
 from rlkit.data.packing import pack_sequences, pad_rows
 from rlkit.data.sft import file_identity, load_tokenized_splits, tokenize_preference_row
 from rlkit.data.stream import ShuffledStream
-from rlkit.data.synthetic import write_arithmetic_preferences
 
 log = logging.getLogger("rlkit")
 
@@ -31,14 +30,13 @@ class DPOConfig(AlgorithmConfig):
     beta: float = MISSING
     label_smoothing: float = MISSING
     loss_type: str = MISSING
+    ld_alpha: float = MISSING
     sft_weight: float = MISSING
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
 
 def load_pairs(cfg: RootConfig, tokenizer) -> TrainingData:
-    train, val = load_tokenized_splits(
-        cfg.data, functools.partial(tokenize_preference_row, tokenizer),
-        lambda path, rows: write_arithmetic_preferences(path, rows, cfg.data.synthetic.seed))
+    train, val = load_tokenized_splits(cfg.data, functools.partial(tokenize_preference_row, tokenizer))
     return TrainingData(train, val, identity=file_identity(cfg.data.train_path))
 
 
@@ -52,7 +50,8 @@ class DPO(SFT):
                          rows_per_step=cfg.policy.train_global_batch_size // 2,
                          lr=schedule_of(cfg.policy.optimizer, cfg.algorithm.num_steps))
         a = cfg.algorithm
-        self.objective = DirectPreference(DPOLossConfig(a.beta, a.label_smoothing, a.loss_type, a.sft_weight))
+        self.objective = DirectPreference(DPOLossConfig(a.beta, a.label_smoothing, a.loss_type, a.sft_weight,
+                                                        a.ld_alpha))
         policy.init_reference(str(ctx.start_dir))
 
     def hold(self, pairs: list) -> BatchTotals:
@@ -116,10 +115,13 @@ def validate(cfg: RootConfig, dp: int) -> None:
     if not 0 <= a.label_smoothing < 0.5:
         raise ConfigError(f"algorithm.label_smoothing: must lie in [0, 0.5) (got: {a.label_smoothing}); "
                           f"0 is plain DPO")
-    if a.loss_type in ("ipo", "hinge") and a.label_smoothing > 0:
+    if a.loss_type in ("ipo", "hinge", "sigmoid_norm") and a.label_smoothing > 0:
         raise ConfigError(f"algorithm.label_smoothing: applies to the sigmoid loss only (cDPO) and its robust "
                           f"variant (got: {a.label_smoothing} with loss_type={a.loss_type}); set it to 0 or use "
                           f"loss_type=sigmoid or robust")
+    if not 0 <= a.ld_alpha <= 1:
+        raise ConfigError(f"algorithm.ld_alpha: must lie in [0, 1] (got: {a.ld_alpha}); 1.0 is DPO, LD-DPO's "
+                          f"down-weighting of the longer response's verbose tokens is below 1 (e.g. 0.5)")
     if a.sft_weight < 0:
         raise ConfigError(f"algorithm.sft_weight: must be >= 0 (got: {a.sft_weight}); 0 disables the SFT term")
     validate_warm_start(cfg, dp)

@@ -26,6 +26,7 @@ class Episode:
     logprobs: list[float]  # per token: sampler logprob (0 for prompt/environment tokens)
     messages: list[dict]
     metadata: dict
+    group: int  # the prompt group it belongs to: the episodes of one prompt share it
     reward: float = 0.0
     correct: bool | None = None
     done: bool = False
@@ -42,6 +43,7 @@ class Episodes:
     correct: torch.Tensor  # [B] 1.0 right, 0.0 wrong, NaN where the environment gave no verdict (or failed)
     truncated: torch.Tensor  # [B] bool: the last response was cut at the token budget (no EOS)
     metrics: dict  # train/turns and env/failure_rate are means over the episodes, the other env/ keys counts
+    group_ids: torch.Tensor  # [B] each row's prompt group: rows of one prompt share an id (groups may differ in size)
 
     def summary(self, split: str) -> dict:
         """Mean reward, trained (model-generated) tokens per episode and the environment's counts;
@@ -57,7 +59,8 @@ class Episodes:
         """These rows, in this order; metrics stay those of the whole rollout."""
         index = torch.tensor(rows, dtype=torch.long)
         return Episodes(Batch({k: v[index] for k, v in self.batch.tensors.items()}), self.lengths[index],
-                        self.rewards[index], self.correct[index], self.truncated[index], self.metrics)
+                        self.rewards[index], self.correct[index], self.truncated[index], self.metrics,
+                        self.group_ids[index])
 
 
 MEAN_METRICS = ("train/turns", "env/failure_rate")  # _collate's per-episode means; its other metrics are counts
@@ -66,7 +69,8 @@ MEAN_METRICS = ("train/turns", "env/failure_rate")  # _collate's per-episode mea
 def concat_episodes(parts: list[Episodes], pad_id: int, rollouts: list[Episodes]) -> Episodes:
     """The parts' rows one after another (rows right-padded to the widest part: input_ids with
     pad_id, the masks and logprobs with 0), with the metrics of every rollout generated for them:
-    counts added, means weighted by episodes."""
+    counts added, means weighted by episodes. Each part's groups stay its own: renumbered after
+    the groups of the parts before it."""
     width = max(p.batch["input_ids"].shape[1] for p in parts)
     batch = Batch.concat([Batch({k: torch.nn.functional.pad(v, (0, width - v.shape[1]),
                                                             value=pad_id if k == "input_ids" else 0)
@@ -74,19 +78,27 @@ def concat_episodes(parts: list[Episodes], pad_id: int, rollouts: list[Episodes]
     total = sum(len(r.rewards) for r in rollouts)
     metrics = {k: sum(r.metrics.get(k, 0) * (len(r.rewards) / total if k in MEAN_METRICS else 1) for r in rollouts)
                for k in dict.fromkeys(k for r in rollouts for k in r.metrics)}
+    group_ids, groups_before = [], 0
+    for p in parts:
+        ids = torch.unique(p.group_ids, return_inverse=True)[1]
+        group_ids.append(ids + groups_before)
+        groups_before += int(ids.max()) + 1 if len(ids) else 0
     return Episodes(batch, *(torch.cat([getattr(p, f) for p in parts])
-                             for f in ("lengths", "rewards", "correct", "truncated")), metrics)
+                             for f in ("lengths", "rewards", "correct", "truncated")), metrics, torch.cat(group_ids))
 
 
 def run_episodes(prompts: list[Prompt], renderer: PromptRenderer, generation: GenerationWorkers,
                  envs: EnvironmentPool, params: SamplingParams, cfg: EnvRunnerConfig,
-                 timer: PhaseTimer | None = None) -> Episodes:
-    """timer, if given, accumulates the "generate" and "reward" (environment) phases over turns."""
+                 timer: PhaseTimer | None = None, samples_per_prompt: int = 1) -> Episodes:
+    """samples_per_prompt episodes of each prompt, adjacent, the prompt's group (group id: the
+    prompt's index). timer, if given, accumulates the "generate" and "reward" (environment)
+    phases over turns."""
     timer, tokenizer = timer or PhaseTimer(), renderer.tokenizer
     eos = tokenizer.eos_token_id
     episodes = [Episode(token_ids=list(p.token_ids), trained=[False] * len(p.token_ids),
-                        logprobs=[0.0] * len(p.token_ids), messages=list(p.messages), metadata=p.metadata)
-                for p in prompts]
+                        logprobs=[0.0] * len(p.token_ids), messages=list(p.messages), metadata=p.metadata,
+                        group=group)
+                for group, p in enumerate(prompts) for _ in range(samples_per_prompt)]
     failures: dict[str, int] = {}
     for turn in range(cfg.max_turns):
         active = [e for e in episodes if not e.done]
@@ -136,4 +148,5 @@ def _collate(episodes: list[Episode], pad_id: int, failures: dict) -> Episodes:
                "env/failure_rate": failures.get("env/failures", 0) / len(episodes)}
     return Episodes(Batch({"input_ids": input_ids, "response_mask": mask, "generation_logprobs": logprobs}),
                     torch.tensor([len(e.token_ids) for e in episodes]), torch.tensor([e.reward for e in episodes]),
-                    correct, torch.tensor([e.truncated for e in episodes]), metrics)
+                    correct, torch.tensor([e.truncated for e in episodes]), metrics,
+                    torch.tensor([e.group for e in episodes], dtype=torch.long))

@@ -2,7 +2,9 @@
 Batch fields it reads, and declares them (`fields`): only those (and the model's inputs) reach the
 worker's train step. The worker stays loss-agnostic and calls `objective(output, micro_batch,
 totals)` on its model's output: token-aligned logprobs [b, S] for a policy, values [b, S] for a
-critic. Objectives are frozen dataclasses, so they travel to Ray workers as plain data.
+critic. An objective whose `uses_entropy` is true also finds the policy's token entropy [b, S],
+with its gradient, in the micro-batch's field `entropy` (the worker computes it from the logits).
+Objectives are frozen dataclasses, so they travel to Ray workers as plain data.
 """
 
 from dataclasses import dataclass
@@ -10,15 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from rlkit.algorithms.losses import (ClippedPolicyLossConfig, DPOLossConfig, aggregate, clipped_policy_loss, dpo_loss,
-                                     nll_loss, sequence_logprobs, value_loss)
+                                     nll_loss, preference_logprobs, value_loss)
 from rlkit.data.batch import Batch, BatchTotals
 
 
 @dataclass(frozen=True)
 class PolicyGradient:
     """Clipped surrogate on advantages (GRPO, PPO's actor, REINFORCE++, RLOO), with the loss's
-    variants (dual-clip, KL estimator, GSPO's sequence ratio, aggregation) in its config and an
-    optional off-policy correction."""
+    variants (dual-clip, KL estimator, GSPO's sequence ratio, aggregation, entropy bonus) in its
+    config and an optional off-policy correction."""
 
     loss: ClippedPolicyLossConfig
     mask_key: str = "response_mask"
@@ -29,10 +31,15 @@ class PolicyGradient:
         return ((self.mask_key, "old_logprobs", "advantages") + (("reference_logprobs",) if self.loss.kl_coef > 0 else ())
                 + (("off_policy_weights",) if self.off_policy_weighted else ()))
 
+    @property
+    def uses_entropy(self) -> bool:
+        return self.loss.entropy_coef > 0
+
     def __call__(self, logprobs: torch.Tensor, batch: Batch, totals: BatchTotals):
         return clipped_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch[self.mask_key],
                                    self.loss, totals, batch["reference_logprobs"] if self.loss.kl_coef > 0 else None,
-                                   batch["off_policy_weights"] if self.off_policy_weighted else None)
+                                   batch["off_policy_weights"] if self.off_policy_weighted else None,
+                                   batch["entropy"] if self.uses_entropy else None)
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class NextTokenNLL:
     """Supervised fine-tuning: NLL on the tokens of loss_mask."""
 
     mask_key: str = "loss_mask"
+    uses_entropy = False
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -51,22 +59,26 @@ class NextTokenNLL:
 
 @dataclass(frozen=True)
 class DirectPreference:
-    """DPO and its variants (IPO, hinge, robust) on pairs. Rows alternate chosen, rejected (every split of the batch is even, so a
-    pair never straddles two micro-batches); totals.num_sequences counts pairs with a response and
-    totals.num_tokens counts chosen response tokens (the optional SFT term's denominator)."""
+    """DPO and its variants (sigmoid_norm, IPO, hinge, robust, LD-DPO's ld_alpha) on pairs. Rows
+    alternate chosen, rejected (every split of the batch is even, so a pair never straddles two
+    micro-batches); totals.num_sequences counts pairs with a response and totals.num_tokens counts
+    chosen response tokens (the optional SFT term's denominator)."""
 
     loss: DPOLossConfig
     mask_key: str = "loss_mask"
+    uses_entropy = False
 
     @property
     def fields(self) -> tuple[str, ...]:
         return (self.mask_key, "reference_logprobs")
 
     def __call__(self, logprobs: torch.Tensor, batch: Batch, totals: BatchTotals):
-        mask, average = batch[self.mask_key], self.loss.loss_type == "ipo"
-        policy = sequence_logprobs(logprobs, mask, average)
-        reference = sequence_logprobs(batch["reference_logprobs"], mask, average)
-        per_pair, metrics = dpo_loss(policy[0::2], policy[1::2], reference[0::2], reference[1::2], self.loss)
+        mask, ld_alpha = batch[self.mask_key], self.loss.ld_alpha
+        policy = preference_logprobs(logprobs, mask, ld_alpha)
+        reference = preference_logprobs(batch["reference_logprobs"], mask, ld_alpha)
+        lengths = mask.sum(dim=1)
+        per_pair, metrics = dpo_loss(policy[0::2], policy[1::2], reference[0::2], reference[1::2], lengths[0::2],
+                                     lengths[1::2], self.loss)
         real = (mask[0::2].sum(dim=1) > 0).float()  # all-padding pairs (batch filler) count for nothing
         loss = (per_pair * real).sum() / max(totals.num_sequences, 1.0)
         if self.loss.sft_weight > 0:
@@ -85,6 +97,7 @@ class ValueRegression:
     aggregation: str
     max_response_tokens: int | None = None  # the seq-mean-token-sum-norm aggregation's constant
     mask_key: str = "response_mask"
+    uses_entropy = False
 
     @property
     def fields(self) -> tuple[str, ...]:

@@ -53,6 +53,7 @@ class PolicyGradientConfig(AlgorithmConfig):
     importance_ratio: str = MISSING
     kl_coef: float = MISSING
     kl_estimator: Optional[str] = MISSING
+    entropy_coef: float = MISSING
     loss_aggregation: str = MISSING
     off_policy_correction: str = MISSING
     tis_cap: float = MISSING
@@ -92,6 +93,11 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
     from rlkit.algorithms.warm_start import validate_warm_start
 
     p, g, a = cfg.policy, cfg.generation, cfg.algorithm
+    # first: the checks below compute with these (the response budget from max_new_tokens)
+    for key, value in [("generation.num_workers", g.num_workers), ("algorithm.prompts_per_step", a.prompts_per_step),
+                       ("generation.max_new_tokens", g.max_new_tokens)]:
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1 (got: {value}); set a positive value")
     for key, value, choices in [("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS),
                                 ("algorithm.importance_ratio", a.importance_ratio, IMPORTANCE_RATIOS),
                                 ("algorithm.kl_estimator", a.kl_estimator, (None, *KL_ESTIMATORS)),
@@ -117,10 +123,6 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
                           f"response budget {max_response_tokens(cfg)} and a factor >= 0 (got: {a.overlong_buffer}, "
                           f"{a.overlong_penalty_factor}); e.g. a quarter of generation.max_new_tokens and 1.0, or 0 "
                           f"to turn the penalty off")
-    for key, value in [("generation.num_workers", g.num_workers), ("algorithm.prompts_per_step", a.prompts_per_step),
-                       ("generation.max_new_tokens", g.max_new_tokens)]:
-        if value < 1:
-            raise ConfigError(f"{key}: must be >= 1 (got: {value}); set a positive value")
     validate_warm_start(cfg, dp)
     if a.max_staleness < 0 or (a.max_staleness > 0 and cfg.cluster.placement != "disaggregated"):
         raise ConfigError(f"algorithm.max_staleness: must be >= 0, and > 0 only with cluster.placement=disaggregated "
@@ -132,6 +134,9 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
         raise ConfigError(f"generation.temperature / top_p / top_k: RL samples must come from the distribution the "
                           f"trainer scores (got: {g.temperature}, {g.top_p}, {g.top_k}); use temperature > 0, "
                           f"top_p=1.0, top_k=0 (greedy validation: algorithm.val_greedy=true)")
+    if a.entropy_coef < 0:
+        raise ConfigError(f"algorithm.entropy_coef: must be >= 0, a bonus for entropy (got: {a.entropy_coef}); "
+                          f"e.g. 0.001, or 0.0 to turn the bonus off")
     if a.kl_coef < 0 or not 0 < a.clip_low < 1 or a.clip_high <= 0:
         raise ConfigError(f"algorithm.kl_coef / clip_low / clip_high: need kl_coef >= 0, 0 < clip_low < 1, "
                           f"clip_high > 0 (got: {a.kl_coef}, {a.clip_low}, {a.clip_high}); e.g. 0.0, 0.2, 0.28")
@@ -165,10 +170,11 @@ def max_response_tokens(cfg: RootConfig) -> int:
 
 
 def per_sample(advantages):
-    """An estimator from a pure function (algorithm config, rewards [B]) -> advantages [B],
-    computed on the controller (rewards are there) and sent to the held shards."""
-    def estimate(trainer: "PolicyGradientTrainer", rewards: torch.Tensor) -> dict:
-        trainer.policy.extend_held(Batch({"advantages": advantages(trainer.cfg.algorithm, rewards)}))
+    """An estimator from a pure function (algorithm config, rewards [B], group ids [B]) ->
+    advantages [B], computed on the controller (rewards are there) and sent to the held shards.
+    Samples with one group id are one prompt's (Episodes.group_ids): groups may differ in size."""
+    def estimate(trainer: "PolicyGradientTrainer", rewards: torch.Tensor, group_ids: torch.Tensor) -> dict:
+        trainer.policy.extend_held(Batch({"advantages": advantages(trainer.cfg.algorithm, rewards, group_ids)}))
         return {}
     return estimate
 
@@ -186,7 +192,7 @@ class PolicyGradientTrainer:
         self.kl_in_loss = self.algorithm.kl_in_loss(a)
         self.objective = PolicyGradient(ClippedPolicyLossConfig(
             a.clip_low, a.clip_high, a.kl_coef if self.kl_in_loss else 0.0, a.loss_aggregation, a.dual_clip_c,
-            kl_estimator(a, in_loss=True), a.importance_ratio, max_response_tokens(cfg)),
+            kl_estimator(a, in_loss=True), a.importance_ratio, max_response_tokens(cfg), a.entropy_coef),
             off_policy_weighted=a.off_policy_correction != "none")
         self.off_policy = OffPolicyCorrection(a.off_policy_correction, a.tis_cap, a.seq_mask_low, a.seq_mask_high) \
             if a.off_policy_correction != "none" else None
@@ -224,7 +230,8 @@ class PolicyGradientTrainer:
             with timer("rollout_wait"):  # async: how long training waited for generation
                 rollout = self.rollouts.take(step, self.version, rows)
             episodes = rollout.episodes
-            rewards, summary = episodes.rewards, {**episodes.summary("train"), **rollout.metrics}
+            rewards, group_ids = episodes.rewards, episodes.group_ids
+            summary = {**episodes.summary("train"), **rollout.metrics}
             lengths, generated = episodes.lengths.tolist(), episodes.batch["response_mask"].sum().item()
             if a.overlong_filtering:  # after the summary: response lengths count the filtered responses too
                 episodes.batch = episodes.batch.with_fields(
@@ -241,7 +248,7 @@ class PolicyGradientTrainer:
                     agreement.update(off_policy_metrics(self.policy.estimate_held(self.off_policy, rewards),
                                                         a.off_policy_correction))
             with timer("advantages"):
-                advantage_metrics = self.algorithm.estimator(self, rewards)
+                advantage_metrics = self.algorithm.estimator(self, rewards, group_ids)
             with timer("train"):
                 train_metrics = self.train(totals, (step - 1) * self.minibatches)
             self.version = step
@@ -271,8 +278,8 @@ class PolicyGradientTrainer:
 
         def episodes_of(prompts: list[Prompt], round_: int) -> Episodes:
             seed = self.sampling.seed + step + round_ * EXTRA_ROUND_SEED_STRIDE
-            episodes = self.episodes([p for p in prompts for _ in range(a.group_size)],
-                                     SamplingParams(**{**self.sampling.__dict__, "seed": seed}), timer)
+            episodes = self.episodes(prompts, SamplingParams(**{**self.sampling.__dict__, "seed": seed}), timer,
+                                     a.group_size)
             if a.overlong_buffer == 0:
                 return episodes
             penalty = overlong_penalty(episodes.batch["response_mask"].sum(1), max_response_tokens(self.cfg),
@@ -283,12 +290,15 @@ class PolicyGradientTrainer:
             return episodes_of(rows, 0), {}
         return sample_informative_groups(
             rows, episodes_of, lambda round_: extra_prompts(self.train_rows, len(rows), self.cfg.run.seed, step, round_),
-            a.group_size, a.dynamic_sampling_max_rounds, self.renderer.tokenizer.pad_token_id)
+            a.dynamic_sampling_max_rounds, self.renderer.tokenizer.pad_token_id)
 
-    def episodes(self, prompts: list[Prompt], params: SamplingParams, timer: PhaseTimer | None = None) -> Episodes:
-        """Generation and environment turns until every episode is done; timer accumulates the
-        generate and reward phases over the turns."""
-        return run_episodes(prompts, self.renderer, self.generation, self.envs, params, self.cfg.env_runner, timer)
+    def episodes(self, prompts: list[Prompt], params: SamplingParams, timer: PhaseTimer | None = None,
+                 samples_per_prompt: int = 1) -> Episodes:
+        """samples_per_prompt episodes of each prompt (one group each), with generation and
+        environment turns until every episode is done; timer accumulates the generate and reward
+        phases over the turns."""
+        return run_episodes(prompts, self.renderer, self.generation, self.envs, params, self.cfg.env_runner, timer,
+                            samples_per_prompt)
 
     def hold(self, rollout: Batch) -> None:
         self.policy.hold(rollout)

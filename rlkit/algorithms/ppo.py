@@ -62,7 +62,8 @@ class GAE:
         return {"advantages": whiten(advantages, mask, reduce=reduce), "returns": returns}, metrics
 
 
-def estimate(trainer: "PPO", rewards: torch.Tensor) -> dict:
+def estimate(trainer: "PPO", rewards: torch.Tensor, group_ids: torch.Tensor) -> dict:
+    """The critic is the baseline: PPO reads no groups."""
     a = trainer.cfg.algorithm
     kl_coef = a.kl_coef if a.kl_mode == "reward" else 0.0
     trainer.critic.forward_held("old_values")

@@ -47,7 +47,7 @@ class AlgorithmSpec:
     warm_start: Callable | None = None
     # (algorithm config) -> whether it trains against a frozen reference: the weights it started from
     uses_reference: Callable[[Any], bool] = lambda a: False
-    # RL: (trainer, rewards [B]) -> metrics; writes advantages into the policy's held rollout
+    # RL: (trainer, rewards [B], group ids [B]) -> metrics; writes advantages into the policy's held rollout
     estimator: Callable | None = None
     # RL: (algorithm config) -> whether the KL to the reference is a loss term (else a reward penalty)
     kl_in_loss: Callable[[Any], bool] | None = None

@@ -43,9 +43,9 @@ class KLPenalizedReturns:
                                                       reduce=reduce, gamma=self.gamma)}, {}
 
 
-def estimate(trainer: PolicyGradientTrainer, rewards: torch.Tensor) -> dict:
+def estimate(trainer: PolicyGradientTrainer, rewards: torch.Tensor, group_ids: torch.Tensor) -> dict:
     a = trainer.cfg.algorithm
-    scalar = group_centered(rewards, a.group_size) if a.baseline else rewards  # groups may straddle shards
+    scalar = group_centered(rewards, group_ids) if a.baseline else rewards  # groups may straddle shards
     trainer.policy.estimate_held(KLPenalizedReturns(a.kl_coef, kl_estimator(a, in_loss=False), a.gamma), scalar)
     return {}
 

@@ -19,5 +19,5 @@ ALGORITHM = AlgorithmSpec(
     trainer=PolicyGradientTrainer, rollouts=True, warm_start=policy_gradient.warm_start_on_answers,
     uses_reference=lambda a: a.kl_coef > 0,
     validate=lambda cfg, dp: policy_gradient.validate(cfg, dp, min_group_size=2),
-    estimator=per_sample(lambda a, rewards: rloo_advantages(rewards, a.group_size)),
+    estimator=per_sample(lambda a, rewards, group_ids: rloo_advantages(rewards, group_ids)),
     kl_in_loss=lambda a: True)

@@ -13,7 +13,6 @@ from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.data.packing import pack_sequences, pad_rows
 from rlkit.data.sft import load_tokenized_splits, tokenize_sft_row
-from rlkit.data.synthetic import write_arithmetic_sft
 
 
 @dataclass
@@ -22,8 +21,7 @@ class SFTConfig(AlgorithmConfig):
 
 
 def load_examples(cfg: RootConfig, tokenizer) -> TrainingData:
-    train, val = load_tokenized_splits(cfg.data, functools.partial(tokenize_sft_row, tokenizer),
-                                       lambda path, rows: write_arithmetic_sft(path, rows, chat=True))
+    train, val = load_tokenized_splits(cfg.data, functools.partial(tokenize_sft_row, tokenizer))
     return TrainingData(train, val)
 
 

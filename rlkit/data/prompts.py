@@ -12,8 +12,8 @@ import logging
 from dataclasses import dataclass
 
 from rlkit.config.schema import ConfigError, PromptDataConfig
-from rlkit.data.arithmetic import synthetic_splits
-from rlkit.data.files import load_rows, write_jsonl
+from rlkit.data.files import load_rows
+from rlkit.data.synthetic import write_generated_sets
 from rlkit.data.truncation import head_for_tokens
 
 log = logging.getLogger("rlkit")
@@ -94,12 +94,10 @@ class PromptRenderer:
 def load_prompt_splits(d: PromptDataConfig, renderer: PromptRenderer) -> tuple[list[Prompt], list[Prompt]]:
     """(train, validation) prompts of data.train_path / data.val_path, after writing the generated
     set there when data.synthetic asks for one (rewritten only when it differs, so the files always
-    hold the configured set). Prompts longer than data.max_prompt_tokens are dropped, with the count
-    in the log."""
+    hold the configured set; never over a file rlkit did not write). Prompts longer than
+    data.max_prompt_tokens are dropped, with the count in the log."""
     if d.synthetic is not None:
-        for path, rows in zip([d.train_path, d.val_path], synthetic_splits(d.synthetic)):
-            if path is not None and write_jsonl(path, rows, only_if_changed=True):
-                log.info("data: wrote the generated %s set to %s", d.synthetic.kind, path)
+        write_generated_sets(d)
     splits = []
     for key, path, split in [("data.train_path", d.train_path, d.train_split),
                              ("data.val_path", d.val_path, d.val_split)]:

@@ -6,16 +6,12 @@ two equal-length lists where loss_mask[t] = 1 marks a token the model is trained
 every assistant message's content plus its end-of-turn marker.
 """
 
-import logging
 import os
-from pathlib import Path
 
-from rlkit.config.schema import ConfigError
-from rlkit.data.arithmetic import arithmetic_splits
+from rlkit.config.schema import ConfigError, FileDataConfig
 from rlkit.data.files import load_rows
+from rlkit.data.synthetic import write_generated_sets
 from rlkit.data.truncation import head_for_tokens
-
-log = logging.getLogger("rlkit")
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -52,22 +48,30 @@ def tokenize_preference_row(tokenizer, row: dict, where: str,
     for field in ("chosen", "rejected"):
         response = row.get(field)
         if not isinstance(response, str):
-            raise ValueError(f"{where} lacks '{field}' (a string); give each row prompt, chosen, rejected")
+            raise ValueError(f"{where} {_not_text(row, field)}; give each row prompt, chosen, rejected")
         messages = prompt_messages + [{"role": "assistant", "content": response}]
         out.extend(_chat_tokens(tokenizer, messages, [len(messages) - 1], where, max_tokens))
     return tuple(out)
 
 
 def _row_messages(row: dict, where: str) -> list[dict]:
-    """The row as a checked messages list. Missing columns read as None (datasets fills them)."""
+    """The row as a checked messages list. A null field counts as missing (parquet files and hub
+    datasets fill a column a row lacks with None)."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: is a {type(row).__name__}, not a record; give each row prompt+response or messages")
     if row.get("messages") is not None:
         return _checked_messages(row["messages"], where, "messages")
     for field in ("prompt", "response"):
         if not isinstance(row.get(field), str):
-            raise ValueError(f"{where} lacks '{field}' (a string); give each row prompt+response or messages")
+            raise ValueError(f"{where} {_not_text(row, field)}; give each row prompt+response or messages")
     return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
+
+
+def _not_text(row: dict, field: str) -> str:
+    """What is wrong with a field that should hold text: absent, or of another type."""
+    if row.get(field) is None:
+        return f"lacks '{field}' (a string)"
+    return f"has '{field}' of type {type(row[field]).__name__} ({row[field]!r:.60}), not a string; quote it"
 
 
 def _checked_messages(messages, where: str, field: str) -> list[dict]:
@@ -139,15 +143,12 @@ def _unstable(where: str, why: str) -> str:
             f"located; use a chat template that renders each turn the same whatever follows it")
 
 
-def load_tokenized_splits(d, tokenize, synthetic_writer) -> tuple[list, list]:
-    """Tokenized (train, val) examples of data.train_path / data.val_path (d: FileDataConfig),
-    after writing the synthetic set there first if data.synthetic asks for it and the files are
-    missing. tokenize(row, where, max_tokens) -> example; synthetic_writer(path, rows)."""
+def load_tokenized_splits(d: FileDataConfig, tokenize) -> tuple[list, list]:
+    """Tokenized (train, val) examples of data.train_path / data.val_path, after writing the
+    generated set there first if data.synthetic asks for one (rewritten only when it differs;
+    never over a file rlkit did not write). tokenize(row, where, max_tokens) -> example."""
     if d.synthetic is not None:
-        for path, rows in zip([d.train_path, d.val_path], arithmetic_splits(d.synthetic)):
-            if path is not None and not Path(path).exists():
-                log.info("data: writing the synthetic arithmetic set to %s", path)
-                synthetic_writer(path, rows)
+        write_generated_sets(d)
     splits = []
     for key, path in [("data.train_path", d.train_path), ("data.val_path", d.val_path)]:
         if path is None:

@@ -1,29 +1,59 @@
-"""Arithmetic rows ({"prompt": "12+7=", "answer": "19"}) written as SFT / preference jsonl files,
-so recipes and tests read them through `datasets` exactly like user data."""
+"""The generated sets data.synthetic asks for, as the records each kind of data reads: RL prompts
+as generated (arithmetic or word problems), SFT chats and preference pairs of arithmetic problems;
+and writing them to data.train_path / data.val_path, marked as rlkit's, never over a file rlkit
+did not write."""
 
-import os
+import dataclasses
+import logging
 import random
-from pathlib import Path
 
-from rlkit.data.files import write_jsonl
+from rlkit.config.schema import ConfigError, FileDataConfig, PromptDataConfig
+from rlkit.data.arithmetic import synthetic_splits
+from rlkit.data.files import write_generated
+
+log = logging.getLogger("rlkit")
 
 
-def write_arithmetic_sft(path: str | os.PathLike, rows: list[dict], chat: bool) -> Path:
-    """One line per row: {"messages": [user prompt, assistant answer]} if chat, else {"prompt", "response"}."""
+def sft_records(rows: list[dict], chat: bool) -> list[dict]:
+    """One record per row: {"messages": [user prompt, assistant answer]} if chat, else {"prompt", "response"}."""
     if chat:
-        records = [{"messages": [{"role": "user", "content": r["prompt"]},
-                                 {"role": "assistant", "content": r["answer"]}]} for r in rows]
-    else:
-        records = [{"prompt": r["prompt"], "response": r["answer"]} for r in rows]
-    write_jsonl(path, records)
-    return Path(path)
+        return [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
+                for r in rows]
+    return [{"prompt": r["prompt"], "response": r["answer"]} for r in rows]
 
 
-def write_arithmetic_preferences(path: str | os.PathLike, rows: list[dict], seed: int) -> Path:
-    """One line per row: {"prompt", "chosen": the answer, "rejected": the answer off by 1 to 3},
+def preference_records(rows: list[dict], seed: int) -> list[dict]:
+    """One record per row: {"prompt", "chosen": the answer, "rejected": the answer off by 1 to 3},
     the offsets drawn deterministically from seed."""
     rng = random.Random(seed)
-    records = [{"prompt": r["prompt"], "chosen": r["answer"],
-                "rejected": str(int(r["answer"]) + rng.choice([-3, -2, -1, 1, 2, 3]))} for r in rows]
-    write_jsonl(path, records)
-    return Path(path)
+    return [{"prompt": r["prompt"], "chosen": r["answer"],
+             "rejected": str(int(r["answer"]) + rng.choice([-3, -2, -1, 1, 2, 3]))} for r in rows]
+
+
+def generated_sets(d: PromptDataConfig | FileDataConfig) -> list[tuple[str, str, list[dict]]]:
+    """(config key, path, records) of each split data.synthetic writes: data.train_path, and
+    data.val_path unless it is null. Generating runs the generator's checks (ConfigError)."""
+    as_records = {"prompts": lambda rows: rows, "sft_files": lambda rows: sft_records(rows, chat=True),
+                  "preference_files": lambda rows: preference_records(rows, d.synthetic.seed)}[d.name]
+    train, val = synthetic_splits(d.synthetic)
+    return [(key, path, as_records(rows)) for key, path, rows in [("data.train_path", d.train_path, train),
+                                                                   ("data.val_path", d.val_path, val)]
+            if path is not None]
+
+
+def refused(key: str, problem: str) -> str:
+    """The error for a generated set that would overwrite a file rlkit did not write."""
+    return (f"{key} / data.synthetic: {problem}, and the set data.synthetic generates is never written over "
+            f"such a file; set data.synthetic=null to train on that file, or move it away to have the set "
+            f"generated there")
+
+
+def write_generated_sets(d: PromptDataConfig | FileDataConfig) -> None:
+    """The data.synthetic set in data.train_path / data.val_path, rewritten only when it changes."""
+    origin = {"data.name": d.name, "data.synthetic": dataclasses.asdict(d.synthetic)}
+    for key, path, records in generated_sets(d):
+        try:
+            if write_generated(path, records, origin):
+                log.info("data: wrote the generated set (data.synthetic) to %s", path)
+        except FileExistsError as e:
+            raise ConfigError(refused(key, str(e))) from None

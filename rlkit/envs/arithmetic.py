@@ -15,6 +15,12 @@ def parse_integer(response: str) -> int | None:
 class ArithmeticEnv(Environment):
     """Single turn: the answer must be exactly the integer in metadata["answer"]."""
 
+    metadata_fields = ("answer",)
+
+    @staticmethod
+    def reference_response(metadata: dict) -> str:
+        return str(metadata["answer"])
+
     def __init__(self, correct_reward: float = 1.0, wrong_reward: float = 0.0):
         self.correct_reward, self.wrong_reward = correct_reward, wrong_reward
 
@@ -27,6 +33,8 @@ class GuessSumEnv(Environment):
     """Multi-turn number guessing: the secret is the answer to the prompt. A wrong guess gets
     "higher" or "lower" (or "a number please") and another try; a right one ends the episode
     with a reward that is smaller for later turns."""
+
+    metadata_fields = ("answer",)
 
     def __init__(self, turn_discount: float = 0.5):
         self.turn_discount = turn_discount

@@ -41,7 +41,26 @@ class EnvStep:
 
 
 class Environment:
-    """Base class for environments. Constructor keyword arguments come from `env.*` config keys."""
+    """Base class for environments. Constructor keyword arguments come from `env.*` config keys.
+
+    Besides `step`, three optional class-level declarations let a run that cannot work stop before
+    any worker starts: `metadata_fields`, `check_host` and `reference_response`."""
+
+    # the row fields step() reads from metadata: a prompt row without one is an error at load
+    metadata_fields: tuple[str, ...] = ()
+
+    @classmethod
+    def check_host(cls, **kwargs) -> str | None:
+        """Why the environment cannot run on this machine with these constructor arguments (every
+        one, defaults filled in), or None; checked with the config, before any worker starts."""
+        return None
+
+    @staticmethod
+    def reference_response(metadata: dict) -> str | None:
+        """The shortest response this environment scores correct for a row (its ground truth in
+        the form step() reads, e.g. "#### 72"), or None where it cannot say. A run whose token
+        budget cannot hold these responses is refused (none fits) or warned about (some do not)."""
+        return None
 
     def step(self, messages: list[dict], metadata: dict) -> EnvStep:
         raise NotImplementedError
@@ -89,7 +108,8 @@ def load_environment(target: str, kwargs: dict) -> Environment:
 
 
 def check_environment_config(target: str, kwargs: dict) -> str | None:
-    """None if `target` imports and accepts `kwargs`; otherwise the reason, naming the key."""
+    """None if `target` imports, accepts `kwargs` and can run here (Environment.check_host);
+    otherwise the reason, naming the key."""
     try:
         obj = import_target(target)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's to see
@@ -108,7 +128,9 @@ def check_environment_config(target: str, kwargs: dict) -> str | None:
             annotation = inspect.formatannotation(param.annotation)
             return (f"env.{key}: {target} takes {annotation} (got: {value!r:.100}, of type {type(value).__name__}); "
                     f"give a value of that type")
-        return None
+        defaults = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+        problem = obj.check_host(**{**defaults, **kwargs})
+        return f"env._target_: {target} cannot run on this machine: {problem}" if problem else None
     if callable(obj) and not inspect.isclass(obj):
         if kwargs:
             return f"env.{sorted(kwargs)[0]}: {target} is a scoring function and takes no config keys"

@@ -3,7 +3,7 @@
 import re
 
 from rlkit.envs.base import EnvStep, Environment
-from rlkit.envs.sandbox import SandboxLimits, check_sandbox, run_python
+from rlkit.envs.sandbox import SandboxLimits, SandboxUnavailable, check_sandbox, run_python
 
 _FENCED = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
 
@@ -19,6 +19,16 @@ class CodeExecutionEnv(Environment):
 
     allow_weak_sandbox: where bubblewrap cannot run, accept the weak sandbox (not a security
     boundary) instead of refusing to start."""
+
+    metadata_fields = ("tests",)
+
+    @classmethod
+    def check_host(cls, *, allow_weak_sandbox: bool, **_) -> str | None:
+        try:
+            check_sandbox(allow_weak_sandbox)
+        except SandboxUnavailable as e:
+            return str(e)
+        return None
 
     def __init__(self, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512, processes: int = 32,
                  allow_weak_sandbox: bool = False):

@@ -55,6 +55,16 @@ class MathEnv(Environment):
     """Single turn: correct_reward when the final answer matches metadata["answer"], plus
     format_reward for giving a final answer (boxed or after `####`) at all."""
 
+    metadata_fields = ("answer",)
+
+    @staticmethod
+    def reference_response(metadata: dict) -> str:
+        """The ground truth's final answer in the form the ground truth gives it (MATH: \\boxed{},
+        GSM8K: after ####), the one the preset prompts ask for."""
+        truth = str(metadata["answer"])
+        answer = extract_answer(truth) or truth.strip()
+        return f"\\boxed{{{answer}}}" if "\\boxed{" in truth else f"#### {answer}"
+
     def __init__(self, correct_reward: float = 1.0, wrong_reward: float = 0.0, format_reward: float = 0.0):
         self.correct_reward, self.wrong_reward, self.format_reward = correct_reward, wrong_reward, format_reward
 

@@ -102,7 +102,9 @@ def _bwrap_problem(bwrap: str) -> str | None:
         return f"bubblewrap not found at {bwrap}"
     trial = _run("print('ok')", SandboxLimits(), bwrap)
     if trial.stdout.strip() != "ok":
-        return f"{bwrap} cannot start a sandbox here ({trial.stderr.strip()[-500:] or trial.reason})"
+        # its last line says why (e.g. "bwrap: setting up uid map: Permission denied"); one line, as errors are
+        last = trial.stderr.strip().splitlines()[-1][-300:] if trial.stderr.strip() else trial.reason
+        return f"{bwrap} cannot start a sandbox here ({last})"
     return None
 
 

@@ -1,7 +1,7 @@
 """Compose a recipe with Hydra, check it against the schema, then check cross-key consistency:
 what every run needs, what runs with rollouts need, then the algorithm's own checks (its spec),
-and last that the run's directories can be written. Every problem is one ConfigError line:
-`key: problem (got: value); fix`."""
+then that the run's directories can be written, and last that the run can do something at all
+(rlkit/launch/preflight.py). Every problem is one ConfigError line: `key: problem (got: value); fix`."""
 
 import difflib
 import json
@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
@@ -23,8 +24,8 @@ from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
 from rlkit.cluster.refit_driver import TRANSPORTS
 from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig
-from rlkit.data.arithmetic import synthetic_splits
 from rlkit.envs.base import check_environment_config
+from rlkit.launch.preflight import check_config
 from rlkit.models.tiny import ARCHITECTURES, TINY_EXPERTS, TINY_HEADS, parse_tiny
 from rlkit.workers.policy.offload import OFFLOAD_MODES
 
@@ -59,6 +60,9 @@ def compose_recipe(name: str, overrides: list[str], recipes_dir: Path = RECIPES_
         with initialize_config_dir(config_dir=str(Path(recipes_dir).resolve()), version_base=None):
             return compose(config_name=name, overrides=[*overrides, f"hydra.searchpath=[file://{CONFIG_GROUPS_DIR}]"])
     except Exception as e:  # Hydra's errors are multi-line; keep the first, it names the key
+        syntax = _yaml_syntax_error(e)
+        if syntax is not None:
+            raise ConfigError(f"recipe '{name}': {syntax}") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         unknown = re.match(r"Could not override '([^']+)'", first)
         if unknown:
@@ -66,6 +70,19 @@ def compose_recipe(name: str, overrides: list[str], recipes_dir: Path = RECIPES_
         raise ConfigError(f"recipe '{name}': {first}") from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _yaml_syntax_error(error: BaseException | None) -> str | None:
+    """`file:line: problem` of a YAML syntax error in a recipe or config group file, or None.
+    PyYAML reports it over several lines, which the one-line error would cut to "while parsing
+    a flow sequence", naming no file."""
+    while error is not None and not isinstance(error, yaml.MarkedYAMLError):
+        error = error.__cause__ or error.__context__
+    if error is None or error.problem_mark is None:
+        return None
+    mark, opened = error.problem_mark, error.context_mark
+    context = f" ({error.context} at line {opened.line + 1})" if error.context and opened else ""
+    return f"{mark.name}:{mark.line + 1}: invalid YAML: {error.problem}{context}; fix the syntax there"
 
 
 def to_typed(cfg: DictConfig) -> RootConfig:
@@ -210,6 +227,7 @@ def validate(cfg: RootConfig) -> None:
                       ("checkpoint.dir", cfg.checkpoint.dir)]:
         if path is not None:
             _writable_dir(key, path)
+    check_config(cfg)  # that the run can do something at all (rlkit/launch/preflight.py)
 
 
 def _validate_expert_parallel(p: PolicyConfig, dp: int, experts: int) -> None:
@@ -263,9 +281,8 @@ def _validate_prompts(d: PromptDataConfig) -> None:
 
 
 def _validate_synthetic(d: PromptDataConfig | FileDataConfig) -> None:
-    """data.synthetic: the sizes, then generating the set once runs the generator's own checks
-    (kind, operations, enough distinct problems for the sizes), which would otherwise fail only at
-    data loading, once the run has started."""
+    """data.synthetic: the sizes. The generator's own checks (kind, operations, enough distinct
+    problems for the sizes) run when preflight generates the set to check where it goes."""
     s = d.synthetic
     _positive(("data.synthetic.train_size", s.train_size), ("data.synthetic.max_operand", s.max_operand))
     if s.val_size < 0:
@@ -273,7 +290,6 @@ def _validate_synthetic(d: PromptDataConfig | FileDataConfig) -> None:
     if s.val_size == 0 and d.val_path is not None:
         raise ConfigError("data.synthetic.val_size: must be >= 1 while data.val_path is set (got: 0); to skip "
                           "validation set data.val_path=null")
-    synthetic_splits(s)
 
 
 def _writable_dir(key: str, path: str) -> None:
@@ -301,6 +317,9 @@ def _validate_rollout_choices(cfg: RootConfig) -> None:
     _choice("generation.backend", cfg.generation.backend, ("hf", "vllm"))
     _choice("refit.transport", cfg.refit.transport, TRANSPORTS)
     _choice("refit.channel_host", cfg.refit.channel_host, ("loopback", "node_ip"))
+    r = cfg.env_runner  # before the algorithm's checks, which compute the response budget from these
+    _positive(("env_runner.num_workers", r.num_workers), ("env_runner.max_turns", r.max_turns),
+              ("env_runner.max_total_tokens", r.max_total_tokens))
 
 
 def _validate_rollout_transport(cfg: RootConfig) -> None:
@@ -337,8 +356,6 @@ def _validate_environment(cfg: RootConfig) -> None:
     if problem:
         raise ConfigError(problem)
     r = cfg.env_runner
-    _positive(("env_runner.num_workers", r.num_workers), ("env_runner.max_turns", r.max_turns),
-              ("env_runner.max_total_tokens", r.max_total_tokens))
     if r.timeout_s <= 0:
         raise ConfigError(f"env_runner.timeout_s: must be > 0 (got: {r.timeout_s}); set a positive number of seconds")
     if "{observation}" not in r.observation_format:

@@ -19,6 +19,7 @@ from rlkit.data.generation import SamplingParams
 from rlkit.data.stream import ShuffledStream
 from rlkit.launch.config import to_typed
 from rlkit.launch.interrupts import stop_on_signals
+from rlkit.launch.preflight import check_prompts, check_resumed_schedule
 from rlkit.models.resolve import resolve_model_dir
 from rlkit.models.tokenizer import load_tokenizer
 from rlkit.observability.logprob_agreement import logprob_error
@@ -36,15 +37,22 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
     resume_from = checkpoints.to_resume()
     state_step = CheckpointManager.controller_state(resume_from)["step"] if resume_from else None
     if state_step is not None and state_step >= cfg.algorithm.num_steps:
+        # an async run's schedule is fixed by its num_steps (check_resumed_schedule): it cannot train on
+        train_on = "" if algorithm.rollouts and cfg.algorithm.max_staleness else \
+            "raise algorithm.num_steps to train on, or "
         log.info("%s already finished: its checkpoint %s is at step %d of algorithm.num_steps=%d, so there is "
-                 "nothing to do (raise algorithm.num_steps to train on, or set run.name for a new run)",
-                 cfg.run.name, resume_from, state_step, cfg.algorithm.num_steps)
+                 "nothing to do (%sset run.name for a new run)",
+                 cfg.run.name, resume_from, state_step, cfg.algorithm.num_steps, train_on)
         return RunResult(read_history(run_dir, state_step), run_dir)
     if resume_from is not None:
-        check_expert_layout(cfg, OmegaConf.load(resume_from / "config.yaml"), resume_from)
+        saved = OmegaConf.load(resume_from / "config.yaml")
+        check_expert_layout(cfg, saved, resume_from)
+        check_resumed_schedule(cfg, saved, resume_from)
     model_dir = resolve_model_dir(cfg)
     tokenizer = load_tokenizer(model_dir)
     data = algorithm.load_data(cfg, tokenizer)
+    if algorithm.rollouts:
+        check_prompts(cfg, data, tokenizer)
     start_dir, warm_dir = model_dir, None
     if algorithm.warm_start is not None:
         start_dir, warm_dir = warm_start_dir(cfg, model_dir, resume_from, algorithm.uses_reference(cfg.algorithm),

@@ -8,14 +8,13 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def test_two_grpo_steps_on_word_problems(ray_cluster, make_cfg, smollm2, tmp_path):
+def test_two_grpo_steps_on_word_problems(ray_cluster, make_cfg, smollm2):
     """The pretrained model as a run's policy: chat-templated GSM8K-format prompts, math-verify
     rewards, two GRPO steps with refit into the HF workers. fp32 on CPU, so the sampler's and
     the trainer's logprobs agree to float noise after every refit."""
     from rlkit.launch.run import train
 
     cfg, resolved = make_cfg(f"policy.model_path={smollm2}", "data=word_problems", "env=math",
-                             f"data.train_path={tmp_path}/train.jsonl", f"data.val_path={tmp_path}/val.jsonl",
                              "data.synthetic.train_size=32", "data.synthetic.val_size=2",
                              "algorithm.num_steps=2", "algorithm.val_every=2", "algorithm.prompts_per_step=4",
                              "algorithm.group_size=4", "policy.train_global_batch_size=16",

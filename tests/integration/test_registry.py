@@ -40,8 +40,8 @@ def validate(cfg, dp):
         raise ConfigError(f"algorithm.margin: must be >= 0 (got: {cfg.algorithm.margin}); e.g. 0.0")
 
 
-def sign(a, rewards):
-    centered = group_centered(rewards, a.group_size)
+def sign(a, rewards, group_ids):
+    centered = group_centered(rewards, group_ids)
     return torch.where(centered.abs() > a.margin, centered.sign(), torch.zeros_like(centered))
 
 

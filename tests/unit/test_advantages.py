@@ -1,5 +1,6 @@
 """Advantage estimators against hand-computed numbers and explicit per-group, per-sequence, per-token
-loop references."""
+loop references; groups of uneven size (one-sample groups included) given as group ids, and the
+registered estimators reading those ids."""
 
 import math
 
@@ -7,9 +8,11 @@ import pytest
 import torch
 
 import threading
+from types import SimpleNamespace
 
-from rlkit.algorithms.advantages import (explained_variance, gae_advantages, grpo_advantages, reinforce_pp_advantages,
-                                        rloo_advantages, whiten)
+from rlkit.algorithms import grpo, reinforce_pp, rloo
+from rlkit.algorithms.advantages import (explained_variance, gae_advantages, group_centered, group_index,
+                                        grpo_advantages, reinforce_pp_advantages, rloo_advantages, whiten)
 from token_masks import MASK, with_garbage
 
 EPS = 1e-6
@@ -28,13 +31,13 @@ def reference_grpo(rewards: list[float], group_size: int, normalize_std: bool) -
 
 def test_hand_computed_std_normalized():
     # groups [1, 0] and [0, 1]: mean 0.5, unbiased std sqrt(0.5) -> +-0.5 / 0.7071 = +-0.7071
-    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), group_size=2)
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
     torch.testing.assert_close(adv, torch.tensor([0.70710678, -0.70710678, -0.70710678, 0.70710678]),
                                atol=1e-5, rtol=0)
 
 
 def test_hand_computed_dr_grpo():
-    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), group_size=2, normalize_std=False)
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, normalize_std=False)
     assert adv.tolist() == [0.5, -0.5, -0.5, 0.5]
 
 
@@ -57,14 +60,14 @@ def test_matches_loop_reference(group_size, normalize_std):
 
 
 def test_integer_rewards_are_accepted():
-    adv = grpo_advantages(torch.tensor([1, 0, 0, 1]), group_size=2, normalize_std=False)
+    adv = grpo_advantages(torch.tensor([1, 0, 0, 1]), 2, normalize_std=False)
     assert adv.dtype == torch.float32 and adv.tolist() == [0.5, -0.5, -0.5, 0.5]
 
 
 @pytest.mark.parametrize("normalize_std", [True, False])
 @pytest.mark.parametrize("value", [0.0, 1.0, 0.5, -2.0])
 def test_equal_rewards_give_zero_advantage(value, normalize_std):
-    adv = grpo_advantages(torch.full((8,), value), group_size=4, normalize_std=normalize_std)
+    adv = grpo_advantages(torch.full((8,), value), 4, normalize_std=normalize_std)
     assert torch.isfinite(adv).all()
     assert adv.tolist() == [0.0] * 8
 
@@ -92,14 +95,119 @@ def test_group_size_zero_raises_value_error():
         grpo_advantages(torch.zeros(4), 0)
 
 
-def test_group_size_one_is_rejected_or_zero_not_nan():
-    # BUG: a group of one sample has an undefined unbiased std; the result is NaN, which
-    # would silently poison the loss. Expected: a ValueError or advantage 0.
-    try:
-        adv = grpo_advantages(torch.tensor([1.0, 0.0]), 1)
-    except ValueError:
-        return
-    assert torch.isfinite(adv).all(), f"group_size=1 gave {adv.tolist()}"
+@pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages, group_centered])
+def test_group_size_one_gives_exactly_zero_not_nan(estimator):
+    # a one-sample group has nothing to compare with (its unbiased std and its leave-one-out
+    # baseline are undefined): advantage 0, never NaN
+    assert estimator(torch.tensor([1.0, 0.0]), 1).tolist() == [0.0, 0.0]
+
+
+# ---- groups of uneven size, as group ids -------------------------------------------------------
+
+# groups (by id, samples anywhere): 7 -> [1, 0, 2] at 0, 2, 6 (mean 1, std 1); 3 -> [4, 2] at 1, 4
+# (mean 3, std sqrt 2); 5 -> [5] alone at 3; 9 -> [3, 3] at 5, 7 (equal)
+UNEVEN_REWARDS = torch.tensor([1.0, 4.0, 0.0, 5.0, 2.0, 3.0, 2.0, 3.0])
+UNEVEN_IDS = torch.tensor([7, 3, 7, 5, 3, 9, 7, 9])
+SQRT_HALF = math.sqrt(0.5)
+
+
+@pytest.mark.parametrize("estimator, expected", [
+    (lambda r, g: grpo_advantages(r, g), [0.0, SQRT_HALF, -1.0, 0.0, -SQRT_HALF, 0.0, 1.0, 0.0]),
+    (lambda r, g: grpo_advantages(r, g, normalize_std=False), [0.0, 1.0, -1.0, 0.0, -1.0, 0.0, 1.0, 0.0]),
+    # leave-one-out by hand: 1 - (0 + 2) / 2 = 0, 0 - (1 + 2) / 2 = -1.5, 2 - (1 + 0) / 2 = 1.5; 4 - 2, 2 - 4
+    (rloo_advantages, [0.0, 2.0, -1.5, 0.0, -2.0, 0.0, 1.5, 0.0]),
+    (group_centered, [0.0, 1.0, -1.0, 0.0, -1.0, 0.0, 1.0, 0.0]),
+], ids=["grpo", "dr_grpo", "rloo", "group_centered"])
+def test_uneven_groups_hand_computed(estimator, expected):
+    adv = estimator(UNEVEN_REWARDS, UNEVEN_IDS)
+    torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-5, rtol=0)
+    assert adv[3].item() == 0.0 and adv[5].item() == 0.0 and adv[7].item() == 0.0  # one-sample, equal: exactly 0
+
+
+def reference_by_ids(rewards: list[float], group_ids: list[int], estimator: str) -> list[float]:
+    """Per group by id: GRPO, Dr.GRPO or RLOO; one-sample and equal groups 0."""
+    out = []
+    for i, r in enumerate(rewards):
+        group = [rewards[j] for j, g in enumerate(group_ids) if g == group_ids[i]]
+        mean = sum(group) / len(group)
+        if len(group) < 2 or len(set(group)) == 1:
+            out.append(0.0)
+        elif estimator == "rloo":
+            out.append(r - (sum(group) - r) / (len(group) - 1))
+        elif estimator == "dr_grpo":
+            out.append(r - mean)
+        else:
+            std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
+            out.append((r - mean) / (std + EPS))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_uneven_groups_match_loop_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    group_ids = torch.randint(0, 9, (40,), generator=g)  # sizes vary, some groups of one, ids shuffled
+    rewards = torch.randint(0, 3, (40,), generator=g).float() + 0.1 * torch.randn(40, generator=g).round()
+    for name, actual in [("grpo", grpo_advantages(rewards, group_ids)),
+                         ("dr_grpo", grpo_advantages(rewards, group_ids, normalize_std=False)),
+                         ("rloo", rloo_advantages(rewards, group_ids))]:
+        expected = reference_by_ids(rewards.tolist(), group_ids.tolist(), name)
+        torch.testing.assert_close(actual, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 8, 16])
+def test_uniform_group_ids_give_the_group_size_result_bit_for_bit(group_size):
+    """Uniform adjacent groups as ids or as a size: exactly the per-row reductions over
+    rewards.view(-1, group_size) that GRPO and RLOO have always computed."""
+    rewards = torch.randn(6 * group_size, generator=torch.Generator().manual_seed(group_size))
+    ids = torch.arange(6).repeat_interleave(group_size)
+    grouped = rewards.view(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    grpo_view = (centered / (grouped.std(dim=1, keepdim=True) + EPS)).view(-1)
+    rloo_view = (centered * (group_size / (group_size - 1))).view(-1)
+    for groups in (group_size, ids):
+        assert torch.equal(grpo_advantages(rewards, groups), grpo_view)
+        assert torch.equal(grpo_advantages(rewards, groups, normalize_std=False), centered.view(-1))
+        assert torch.equal(rloo_advantages(rewards, groups), rloo_view)
+
+
+def test_group_index_from_either_form_and_bad_ids():
+    assert group_index(2, 6).tolist() == [0, 0, 1, 1, 2, 2]
+    assert group_index(torch.tensor([40, 7, 40, 12]), 4).tolist() == [2, 0, 2, 1]  # sorted ids
+    with pytest.raises(ValueError, match="shape \\[3\\]"):
+        group_index(torch.tensor([0, 1]), 3)
+    with pytest.raises(ValueError, match="integer"):
+        group_index(torch.tensor([0.0, 1.0, 1.0]), 3)
+
+
+def test_reinforce_pp_baseline_centres_uneven_groups():
+    # groups [2, 0] and [5] (alone: centred to 0): centred rewards 1, -1, 0, one token each;
+    # whitened: mean 0, unbiased std 1
+    mask = torch.ones(3, 1)
+    adv = reinforce_pp_advantages(torch.tensor([2.0, 0.0, 5.0]), mask, None, 0.0, groups=torch.tensor([4, 4, 1]))
+    torch.testing.assert_close(adv, torch.tensor([[1.0], [-1.0], [0.0]]))
+
+
+def _trainer(algorithm: dict):
+    """What a registered estimator touches of the trainer: its algorithm config and the policy's
+    held-shard calls, recorded."""
+    calls = []
+    policy = SimpleNamespace(extend_held=lambda batch: calls.append(batch["advantages"]),
+                             estimate_held=lambda estimator, scalar: calls.append(scalar))
+    return SimpleNamespace(cfg=SimpleNamespace(algorithm=SimpleNamespace(**algorithm)), policy=policy), calls
+
+
+@pytest.mark.parametrize("spec, algorithm, expected", [
+    (grpo.ALGORITHM, {"group_size": 2, "normalize_std": False}, [0.0, 1.0, -1.0, 0.0, -1.0, 0.0, 1.0, 0.0]),
+    (rloo.ALGORITHM, {"group_size": 2}, [0.0, 2.0, -1.5, 0.0, -2.0, 0.0, 1.5, 0.0]),
+    (reinforce_pp.ALGORITHM, {"group_size": 2, "baseline": True, "kl_coef": 0.0, "kl_estimator": None,
+                              "gamma": 1.0}, [0.0, 1.0, -1.0, 0.0, -1.0, 0.0, 1.0, 0.0]),
+], ids=["grpo", "rloo", "reinforce_pp"])
+def test_registered_estimators_use_the_rollouts_group_ids_not_group_size(spec, algorithm, expected):
+    """The trainer hands each estimator the rollout's group ids; an estimator that assumed
+    uniform groups of algorithm.group_size (2 here) would pair the wrong samples."""
+    trainer, calls = _trainer(algorithm)
+    spec.estimator(trainer, UNEVEN_REWARDS, UNEVEN_IDS)
+    torch.testing.assert_close(calls[0], torch.tensor(expected), atol=1e-6, rtol=0)
 
 
 # ---- token-level estimators: masks and loop references -----------------------------------------
@@ -191,7 +299,7 @@ def test_rloo_equal_rewards_give_exactly_zero(value):
     assert adv[8].item() == pytest.approx(1.0) and adv[9].item() == pytest.approx(-1 / 7)
 
 
-@pytest.mark.parametrize("group_size", [0, 1, 3])
+@pytest.mark.parametrize("group_size", [0, 3])
 def test_rloo_bad_group_size_raises(group_size):
     with pytest.raises(ValueError, match="groups of"):
         rloo_advantages(torch.zeros(4), group_size)
@@ -261,7 +369,7 @@ def test_reinforce_pp_equal_rewards_give_zero(value, mask):
     rewards = torch.full((mask.shape[0],), value)
     assert (reinforce_pp_advantages(rewards, mask, None, 0.0) == 0).all()
     # baseline variant: every group is equal, so every centered reward is exactly 0
-    assert (reinforce_pp_advantages(rewards, mask, None, 0.0, group_size=2) == 0).all()
+    assert (reinforce_pp_advantages(rewards, mask, None, 0.0, groups=2) == 0).all()
 
 
 @pytest.mark.parametrize("mask", [torch.zeros(2, 4), torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])])

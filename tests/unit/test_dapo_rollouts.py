@@ -1,7 +1,8 @@
 """DAPO's rollout-side techniques on hand-computed cases: the soft overlong penalty, overlong
 filtering and how truncation is detected, dynamic sampling's group filter and its loop (rounds,
-dropped groups, the cap's fill, determinism of extra prompts), and the keys' defaults (their validation:
-test_loss_variants.py)."""
+dropped groups, the cap's fill, determinism of extra prompts; groups of uneven size, one-sample
+groups, the group ids the batch keeps), the group ids episodes are made with, and the keys'
+defaults (their validation: test_loss_variants.py)."""
 
 from types import SimpleNamespace
 
@@ -63,32 +64,51 @@ def test_truncation_is_a_full_budget_without_eos():
     assert out.truncated.tolist() == [False, True, False, False]
 
 
+def test_episodes_of_one_prompt_share_a_group_id():
+    answers = {0: [4, 9], 1: [5, 9], 2: [7, 9]}
+    cfg = EnvRunnerConfig(num_workers=1, timeout_s=1.0, failure_reward=0.0, fail_fast=True, max_turns=1,
+                          max_total_tokens=100, observation_format="raw")
+    out = run_episodes([Prompt([], [i], {}) for i in answers], SimpleNamespace(tokenizer=_Tokenizer()),
+                       _Engine(answers), _Envs(), SamplingParams(2, 1.0, 1.0, 0, seed=0), cfg, samples_per_prompt=2)
+    assert out.batch["input_ids"][:, 0].tolist() == [0, 0, 1, 1, 2, 2]  # each prompt's samples adjacent
+    assert out.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    assert out.select([5, 0, 1]).group_ids.tolist() == [2, 0, 0]
+
+
 def test_informative_groups_have_differing_rewards():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5])
     assert informative_groups(rewards, 2).tolist() == [False, True, False, False]
     assert informative_groups(rewards, 4).tolist() == [True, True]
+    # by id, uneven: 3 -> [1, 0, 0.5] differs; 8 -> [1] alone (nothing to compare); 5 -> [0, 0] equal;
+    # 6 -> [1, 0.5] differs
+    ids = torch.tensor([3, 3, 5, 8, 5, 3, 6, 6])
+    assert informative_groups(torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.5, 1.0, 0.5]), ids).tolist() == \
+        [True, False, True, False]  # ids in sorted order: 3, 5, 6, 8
 
 
-def _rollout(prompts: list[str], rewards: dict, width: int, group_size: int = 2) -> Episodes:
-    """Episodes of prompts (group_size each) with rows `width` tokens wide; input_ids hold the prompt's index."""
-    n = len(prompts) * group_size
-    ids = torch.tensor([[ord(p)] * width for p in prompts for _ in range(group_size)])
+def _rollout(prompts: list[str], rewards: dict, width: int) -> Episodes:
+    """Episodes of prompts (one per reward of rewards[prompt], a group per prompt) with rows
+    `width` tokens wide; input_ids hold the prompt's index."""
+    group_ids = torch.tensor([g for g, p in enumerate(prompts) for _ in rewards[p]])
+    n = len(group_ids)
+    ids = torch.tensor([[ord(p)] * width for p in prompts for _ in rewards[p]])
     batch = Batch({"input_ids": ids, "response_mask": torch.ones(n, width), "generation_logprobs": torch.zeros(n, width)})
     return Episodes(batch, torch.full((n,), width), torch.tensor([r for p in prompts for r in rewards[p]]),
-                    torch.zeros(n), torch.zeros(n, dtype=torch.bool), {"train/turns": 1.0, "env/failures": 1})
+                    torch.zeros(n), torch.zeros(n, dtype=torch.bool), {"train/turns": 1.0, "env/failures": 1},
+                    group_ids)
 
 
 REWARDS = {"a": [1.0, 1.0], "b": [0.0, 1.0], "c": [1.0, 0.0], "d": [0.0, 0.0]}
 
 
-def _sample(first, more, max_extra_rounds):
+def _sample(first, more, max_extra_rounds, rewards=REWARDS):
     rounds = []
 
     def roll_out(prompts, round_):
         rounds.append((round_, list(prompts)))
-        return _rollout(prompts, REWARDS, width=3 + round_)
+        return _rollout(prompts, rewards, width=3 + round_)
 
-    batch, metrics = sample_informative_groups(first, roll_out, lambda round_: more[round_ - 1], 2, max_extra_rounds,
+    batch, metrics = sample_informative_groups(first, roll_out, lambda round_: more[round_ - 1], max_extra_rounds,
                                                pad_id=0)
     return batch, metrics, rounds
 
@@ -99,6 +119,7 @@ def test_dynamic_sampling_rolls_out_more_until_the_batch_is_full():
     assert metrics == {"train/dynamic_sampling_rounds": 2, "train/dynamic_sampling_dropped_groups": 2,
                        "train/dynamic_sampling_filled_groups": 0}
     assert batch.rewards.tolist() == [0.0, 1.0, 1.0, 0.0]  # groups b then c, whole and in order
+    assert batch.group_ids.tolist() == [0, 0, 1, 1]  # each round's group 1 (b, then c) stays its own
     # round 0's rows (3 wide) padded to round 1's width: input_ids with pad_id, the masks with 0
     assert batch.batch["input_ids"].tolist() == [[98, 98, 98, 0]] * 2 + [[99] * 4] * 2
     assert batch.batch["response_mask"].sum(1).tolist() == [3, 3, 4, 4]
@@ -117,6 +138,20 @@ def test_at_the_cap_dropped_groups_fill_the_batch():
     assert metrics == {"train/dynamic_sampling_rounds": 2, "train/dynamic_sampling_dropped_groups": 5,
                        "train/dynamic_sampling_filled_groups": 2}
     assert batch.rewards.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0, 0.0]  # b, then the first dropped: a, d
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2]  # filled groups keep their groups
+
+
+# uneven groups: e.g. failed samples removed; "s" has one sample (never informative)
+UNEVEN = {"u": [1.0, 0.0, 0.0], "s": [1.0], "e": [0.5, 0.5], "v": [0.0, 1.0], "w": [2.0, 0.0, 1.0, 3.0]}
+
+
+def test_dynamic_sampling_keeps_uneven_groups_whole_and_counts_groups():
+    batch, metrics, rounds = _sample(["u", "s", "e"], [["w", "s", "v"]], max_extra_rounds=1, rewards=UNEVEN)
+    assert len(rounds) == 2  # round 0 kept only u: one extra round
+    assert metrics == {"train/dynamic_sampling_rounds": 2, "train/dynamic_sampling_dropped_groups": 3,
+                       "train/dynamic_sampling_filled_groups": 0}  # s, e, then s again: groups, not rows
+    assert batch.rewards.tolist() == [1.0, 0.0, 0.0, 2.0, 0.0, 1.0, 3.0, 0.0, 1.0]  # u, w, v: whole
+    assert batch.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2]
 
 
 def test_extra_prompts_are_a_function_of_seed_step_and_round():

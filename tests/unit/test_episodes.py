@@ -14,7 +14,7 @@ def _episodes(correct: list[float]) -> Episodes:
     batch = Batch({"input_ids": torch.zeros(n, 3, dtype=torch.long), "response_mask": torch.ones(n, 3),
                    "generation_logprobs": torch.zeros(n, 3)})
     truncated = torch.zeros(n, dtype=torch.bool)
-    return Episodes(batch, torch.full((n,), 3), torch.zeros(n), torch.tensor(correct), truncated, {})
+    return Episodes(batch, torch.full((n,), 3), torch.zeros(n), torch.tensor(correct), truncated, {}, torch.arange(n))
 
 
 def test_one_failed_call_neither_hides_accuracy_nor_counts_as_wrong():

@@ -295,32 +295,41 @@ def dpo_cfg(loss_type="sigmoid", beta=0.1, label_smoothing=0.0):
     return DPOLossConfig(beta=beta, label_smoothing=label_smoothing, loss_type=loss_type, sft_weight=0.0)
 
 
-def ref_dpo(chosen, rejected, ref_chosen, ref_rejected, c):
-    """One pair: (loss, reward_chosen, reward_rejected)."""
-    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+def ref_dpo(chosen, rejected, ref_chosen, ref_rejected, chosen_length, rejected_length, c):
+    """One pair: (loss, reward_chosen, reward_rejected); rewards on the summed log-ratios, the
+    length-normalised losses on per-token ones."""
+    h_chosen, h_rejected = chosen - ref_chosen, rejected - ref_rejected
+    if c.loss_type in ("ipo", "sigmoid_norm"):
+        h = h_chosen / chosen_length - h_rejected / rejected_length
+    else:
+        h = h_chosen - h_rejected
     if c.loss_type == "sigmoid":
         eps = c.label_smoothing
         loss = -(1 - eps) * ref_logsigmoid(c.beta * h) - eps * ref_logsigmoid(-c.beta * h)
+    elif c.loss_type == "sigmoid_norm":
+        loss = -ref_logsigmoid(c.beta * h)
     else:
         loss = (h - 1 / (2 * c.beta)) ** 2
-    return loss, c.beta * (chosen - ref_chosen), c.beta * (rejected - ref_rejected)
+    return loss, c.beta * h_chosen, c.beta * h_rejected
 
 
 def random_pairs(pairs=7, seed=8):
+    """Summed sequence logprobs (chosen, rejected, their references) and response lengths."""
     gen = torch.Generator().manual_seed(seed)
-    return [-40 * torch.rand(pairs, generator=gen) for _ in range(4)]  # sequence logprobs
+    logprobs = [-40 * torch.rand(pairs, generator=gen) for _ in range(4)]
+    return logprobs + [torch.randint(1, 30, (pairs,), generator=gen).float() for _ in range(2)]
 
 
 @pytest.mark.parametrize("loss_type,label_smoothing,beta", [("sigmoid", 0.0, 0.1), ("sigmoid", 0.2, 0.5),
-                                                            ("ipo", 0.0, 0.1), ("ipo", 0.0, 2.0)])
+                                                            ("ipo", 0.0, 0.1), ("ipo", 0.0, 2.0),
+                                                            ("sigmoid_norm", 0.0, 0.1), ("sigmoid_norm", 0.0, 2.0)])
 def test_dpo_matches_loop_reference(loss_type, label_smoothing, beta):
-    chosen, rejected, ref_chosen, ref_rejected = random_pairs()
+    pairs = random_pairs()
     c = dpo_cfg(loss_type, beta, label_smoothing)
-    loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, c)
+    loss, metrics = dpo_loss(*pairs, c)
     assert loss.shape == (7,)
     for p in range(7):
-        expected, reward_chosen, reward_rejected = ref_dpo(chosen[p].item(), rejected[p].item(), ref_chosen[p].item(),
-                                                           ref_rejected[p].item(), c)
+        expected, reward_chosen, reward_rejected = ref_dpo(*(x[p].item() for x in pairs), c)
         assert loss[p].item() == pytest.approx(expected, rel=1e-4, abs=1e-5)
         assert metrics["reward_chosen"][p].item() == pytest.approx(reward_chosen, rel=1e-5, abs=1e-5)
         assert metrics["reward_rejected"][p].item() == pytest.approx(reward_rejected, rel=1e-5, abs=1e-5)
@@ -331,8 +340,9 @@ def test_dpo_matches_loop_reference(loss_type, label_smoothing, beta):
 
 
 def test_dpo_without_smoothing_is_negative_logsigmoid():
-    chosen, rejected, ref_chosen, ref_rejected = random_pairs(seed=9)
-    loss, _ = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo_cfg(beta=0.3))
+    chosen, rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths = random_pairs(seed=9)
+    loss, _ = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths,
+                       dpo_cfg(beta=0.3))
     h = (chosen - ref_chosen) - (rejected - ref_rejected)
     torch.testing.assert_close(loss, -torch.nn.functional.logsigmoid(0.3 * h))
 
@@ -341,18 +351,18 @@ def test_dpo_hand_values():
     zero, one = torch.zeros(1), torch.ones(1)
     # h = 0: sigmoid gives log 2 whatever the smoothing; IPO gives (1 / (2 beta))^2
     for smoothing in (0.0, 0.3):
-        loss, metrics = dpo_loss(zero, zero, zero, zero, dpo_cfg(label_smoothing=smoothing))
+        loss, metrics = dpo_loss(zero, zero, zero, zero, one, one, dpo_cfg(label_smoothing=smoothing))
         assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
         assert metrics["accuracy"].item() == 0.0  # a tie is not a win
-    assert dpo_loss(zero, zero, zero, zero, dpo_cfg("ipo", beta=0.5))[0].item() == pytest.approx(1.0)
+    assert dpo_loss(zero, zero, zero, zero, one, one, dpo_cfg("ipo", beta=0.5))[0].item() == pytest.approx(1.0)
     # IPO at its target h = 1 / (2 beta) = 1 has zero loss
-    assert dpo_loss(one, zero, zero, zero, dpo_cfg("ipo", beta=0.5))[0].item() == 0.0
+    assert dpo_loss(one, zero, zero, zero, one, one, dpo_cfg("ipo", beta=0.5))[0].item() == 0.0
 
 
 def test_dpo_is_stable_for_large_margins():
     big = torch.tensor([1e4, -1e4], requires_grad=True)
-    zero = torch.zeros(2)
-    loss, _ = dpo_loss(big, zero, zero, zero, dpo_cfg(beta=1.0, label_smoothing=0.1))
+    zero, one = torch.zeros(2), torch.ones(2)
+    loss, _ = dpo_loss(big, zero, zero, zero, one, one, dpo_cfg(beta=1.0, label_smoothing=0.1))
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(big.grad).all()
     assert loss[0].item() == pytest.approx(0.1 * 1e4, rel=1e-4)  # eps * beta * h for the flipped label
@@ -360,8 +370,8 @@ def test_dpo_is_stable_for_large_margins():
 
 
 def test_dpo_metrics_are_detached():
-    chosen, rejected, ref_chosen, ref_rejected = random_pairs()
-    _, metrics = dpo_loss(chosen.requires_grad_(True), rejected, ref_chosen, ref_rejected, dpo_cfg())
+    chosen, *rest = random_pairs()
+    _, metrics = dpo_loss(chosen.requires_grad_(True), *rest, dpo_cfg())
     assert set(metrics) == {"reward_chosen", "reward_rejected", "reward_margin", "accuracy"}
     assert not any(m.requires_grad for m in metrics.values())
 
@@ -369,7 +379,7 @@ def test_dpo_metrics_are_detached():
 def test_dpo_unknown_loss_type_names_the_choices():
     zero = torch.zeros(1)
     with pytest.raises(ValueError) as info:
-        dpo_loss(zero, zero, zero, zero, dpo_cfg("kto"))
+        dpo_loss(zero, zero, zero, zero, zero, zero, dpo_cfg("kto"))
     for choice in DPO_LOSS_TYPES:
         assert choice in str(info.value)
     assert "'kto'" in str(info.value)

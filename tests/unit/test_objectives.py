@@ -1,5 +1,6 @@
 """Objectives (what a worker minimises) against plain loop references: DPO pairs laid out as
-alternating rows with filler pairs, and PPO's per-token rewards."""
+alternating rows with filler pairs (IPO's per-token averages and summed rewards, LD-DPO's
+weights on policy and reference alike), and PPO's per-token rewards."""
 
 import math
 
@@ -47,7 +48,7 @@ def test_direct_preference_matches_a_per_pair_loop_and_ignores_filler_pairs():
 
 def test_ipo_uses_per_token_averages():
     logprobs, batch, mask = _pairs_batch(num_pairs=2, filler_pairs=0)
-    loss, _ = DirectPreference(DPOLossConfig(0.5, 0.0, "ipo", 0.0))(logprobs, batch, BatchTotals(1.0, 2.0))
+    loss, sums = DirectPreference(DPOLossConfig(0.5, 0.0, "ipo", 0.0))(logprobs, batch, BatchTotals(1.0, 2.0))
 
     def avg(r, values):
         kept = [values[r, t].item() for t in range(mask.shape[1]) if mask[r, t]]
@@ -59,6 +60,33 @@ def test_ipo_uses_per_token_averages():
         h = (avg(c, logprobs) - avg(c, batch["reference_logprobs"])) - (avg(r, logprobs) - avg(r, batch["reference_logprobs"]))
         expected += (h - 1 / (2 * 0.5)) ** 2
     assert abs(loss.item() - expected / 2) < 1e-5
+
+    def total(r, values):
+        return sum(values[r, t].item() for t in range(mask.shape[1]) if mask[r, t])
+
+    # the reward metrics and logprobs are on sums, as for every loss type (TRL's convention)
+    reward_chosen = sum(0.5 * (total(c, logprobs) - total(c, batch["reference_logprobs"])) for c in (0, 2))
+    assert abs(sums["reward_chosen"].item() - reward_chosen) < 1e-5
+    assert abs(sums["chosen_logprob"].item() - (total(0, logprobs) + total(2, logprobs))) < 1e-5
+
+
+def test_ld_dpo_weights_the_verbose_tokens_of_policy_and_reference_alike():
+    alpha, beta = 0.3, 0.2
+    logprobs, batch, mask = _pairs_batch(num_pairs=3, filler_pairs=1)  # pairs of 4 and 3, 2 and 4, 3 and 2 tokens
+    totals = BatchTotals(num_tokens=float(mask[0::2].sum()), num_sequences=3.0)
+    loss, _ = DirectPreference(DPOLossConfig(beta, 0.0, "sigmoid", 0.0, alpha))(logprobs, batch, totals)
+
+    def ld(r, values, public):
+        kept = [values[r, t].item() for t in range(mask.shape[1]) if mask[r, t]]
+        return sum(kept[:public]) + alpha * sum(kept[public:])
+
+    expected, reference = 0.0, batch["reference_logprobs"]
+    for p in range(3):
+        c, r = 2 * p, 2 * p + 1
+        public = int(min(mask[c].sum(), mask[r].sum()))
+        h = (ld(c, logprobs, public) - ld(c, reference, public)) - (ld(r, logprobs, public) - ld(r, reference, public))
+        expected += math.log1p(math.exp(-beta * h))
+    assert math.isfinite(loss.item()) and abs(loss.item() - expected / 3) < 1e-5
 
 
 def test_token_rewards_put_the_reward_on_the_last_response_token():

@@ -198,6 +198,19 @@ def test_generated_sets_are_rewritten_only_when_they_change(tmp_path, tokenizer)
     assert [p.messages for p in again] != [p.messages for p in train]
 
 
+def test_generated_set_never_overwrites_a_users_file(tmp_path, tokenizer):
+    """data.train_path pointed at one's own file with data.synthetic still set used to overwrite the
+    file with the generated set and train on it."""
+    mine = write(tmp_path / "train.jsonl", GSM8K_ROWS).read_text()
+    synthetic = SyntheticSetConfig(train_size=20, val_size=5, max_operand=9, operations=["+"], seed=0,
+                                   kind="arithmetic")
+    d = data_config(tmp_path / "train.jsonl", synthetic=synthetic)
+    with pytest.raises(ConfigError, match=r"^data.train_path / data.synthetic: .*train.jsonl exists and rlkit did not "
+                                          r"generate it .*set data.synthetic=null to train on that file"):
+        load_prompt_splits(d, renderer(tokenizer, d))
+    assert (tmp_path / "train.jsonl").read_text() == mine
+
+
 @pytest.mark.parametrize("group, prompt_field, answer_field", [
     ("gsm8k", "question", "answer"), ("math", "problem", "solution"), ("word_problems", "question", "answer"),
     ("arithmetic", "prompt", "answer")])

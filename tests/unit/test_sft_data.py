@@ -1,6 +1,8 @@
-"""SFT / preference rows: loading through datasets, loss masks from the chat template, clear errors,
-and the synthetic arithmetic writers."""
+"""SFT / preference rows: loading files (json as written, parquet through datasets), loss masks from
+the chat template, clear errors naming file, row or line, and the generated arithmetic sets, which
+never overwrite a file rlkit did not write."""
 
+import functools
 import json
 import re
 
@@ -8,9 +10,10 @@ import datasets
 import pandas as pd
 import pytest
 
-from rlkit.data.files import load_rows
-from rlkit.data.sft import tokenize_preference_row, tokenize_sft_row
-from rlkit.data.synthetic import write_arithmetic_preferences, write_arithmetic_sft
+from rlkit.config.schema import ArithmeticSetConfig, ConfigError, FileDataConfig, SFTDataConfig
+from rlkit.data.files import GENERATED_MARKER, load_rows
+from rlkit.data.sft import load_tokenized_splits, tokenize_preference_row, tokenize_sft_row
+from rlkit.data.synthetic import preference_records, sft_records
 from rlkit.models.tiny import build_tokenizer
 
 ROWS = [
@@ -56,7 +59,7 @@ def test_json_jsonl_parquet_load_the_same_rows(tmp_path):
 
 
 def test_mixed_formats_in_one_file_load_and_tokenize(tmp_path, tokenizer):
-    # datasets fills a column a row lacks with None; tokenizing must treat None as absent
+    # a field a row lacks is absent (json) or None (parquet, hub datasets): tokenizing treats both alike
     path = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "1+1=", "response": "2"}, ROWS[0]])
     assert [masked_text(tokenizer, *pair) for pair in tokenize_file(tokenizer, path)] == \
         ["2<|im_end|>", "19<|im_end|>"]
@@ -75,13 +78,34 @@ def test_unsupported_and_malformed_files_name_the_file(tmp_path):
     csv.write_text("prompt,response\n1+1=,2\n")
     with pytest.raises(ValueError, match=r"rows.csv: unsupported file type '\.csv'; give a \.json"):
         load_rows(str(csv), ROW_BYTES)
+
     broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"prompt": "1+1=", "response": \n')
-    with pytest.raises(ValueError, match="broken.jsonl: could not be read as json"):
+    broken.write_text('{"prompt": "1+1=", "response": "2"}\n\n{"prompt": "1+1=", "response": \n')
+    with pytest.raises(ValueError, match=r"broken.jsonl line 3: not valid JSON \(Expecting value, column 32\); fix "
+                                         r"that line"):
         load_rows(str(broken), ROW_BYTES)
+
+
+def test_malformed_json_list_names_its_line(tmp_path):
+    broken = tmp_path / "rows.json"
+    broken.write_text('[\n {"prompt": "1+1=", "response": "2"},\n {"prompt": "2+2=" "response": "4"}\n]\n')
+    with pytest.raises(ValueError, match=r"rows.json line 3: not valid JSON \(Expecting ',' delimiter, column 20\)"):
+        load_rows(str(broken), ROW_BYTES)
+
+
+def test_a_row_that_is_no_object_names_its_line(tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [ROWS[0], ["1+1=", "2"]])
+    with pytest.raises(ValueError, match=r"rows.jsonl line 2: is a JSON list, not an object of the row's fields"):
+        load_rows(path, ROW_BYTES)
+
+
+@pytest.mark.parametrize("text, message", [("", "the file is empty"), ("\n\n", "has no rows")],
+                         ids=["zero-bytes", "blank-lines"])
+def test_an_empty_file_says_so(tmp_path, text, message):
+    """An empty file used to say "could not be read as json (StopIteration: )"."""
     empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    with pytest.raises(ValueError, match="empty.jsonl"):
+    empty.write_text(text)
+    with pytest.raises(ValueError, match=f"empty.jsonl: {message}; give a file with at least one row"):
         load_rows(str(empty), ROW_BYTES)
 
 
@@ -175,8 +199,20 @@ def test_bad_rows_name_file_row_and_field(tmp_path, tokenizer, row, message):
 
 
 def test_non_string_response_is_refused(tokenizer):
-    with pytest.raises(ValueError, match=r"train.jsonl row 2 lacks 'response' \(a string\)"):
+    with pytest.raises(ValueError, match=r"train.jsonl row 2 has 'response' of type int \(2\), not a string; quote it"):
         tokenize_sft_row(tokenizer, {"prompt": "1+1=", "response": 2}, "train.jsonl row 2", MAX_TOKENS)
+
+
+def test_a_bad_preference_row_in_a_file_is_named_by_its_own_number(tmp_path, tokenizer):
+    """Row 4's unquoted number used to make `datasets` read every row's 'chosen' as a number, so the
+    error named row 0; each row now keeps its own types."""
+    rows = [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(6)]
+    rows[4]["chosen"] = 5
+    path = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    d = FileDataConfig(name="preference_files", train_path=path, val_path=None, max_length=MAX_TOKENS,
+                       max_row_bytes=ROW_BYTES, synthetic=None)
+    with pytest.raises(ConfigError, match=r"^data.train_path: .*prefs.jsonl row 4 has 'chosen' of type int \(5\)"):
+        load_tokenized_splits(d, functools.partial(tokenize_preference_row, tokenizer))
 
 
 @pytest.mark.parametrize("row, field", [
@@ -206,31 +242,78 @@ def test_a_row_over_the_byte_limit_names_file_row_and_field(tmp_path):
         load_rows(path, 1000)
 
 
-# synthetic writers
+# generated sets
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_arithmetic_sft_file_loads_and_trains_on_the_answer(tmp_path, tokenizer, chat):
-    path = write_arithmetic_sft(tmp_path / "sub" / "sft.jsonl", ARITHMETIC, chat=chat)
-    rows = load_rows(str(path), ROW_BYTES)
+def test_arithmetic_sft_records_load_and_train_on_the_answer(tmp_path, tokenizer, chat):
+    path = write_jsonl(tmp_path / "sft.jsonl", sft_records(ARITHMETIC, chat=chat))
+    rows = load_rows(path, ROW_BYTES)
     assert ("messages" in rows[0]) == chat and len(rows) == len(ARITHMETIC)
-    texts = [masked_text(tokenizer, *pair) for pair in tokenize_file(tokenizer, str(path))]
+    texts = [masked_text(tokenizer, *pair) for pair in tokenize_file(tokenizer, path)]
     assert texts == [r["answer"] + "<|im_end|>" for r in ARITHMETIC]
-    assert [p.name for p in path.parent.iterdir()] == ["sft.jsonl"]  # no temporary file left behind
 
 
-def test_arithmetic_preferences_are_deterministic_and_differ(tmp_path, tokenizer):
-    path = write_arithmetic_preferences(tmp_path / "prefs.jsonl", ARITHMETIC, seed=3)
-    rows = load_rows(str(path), ROW_BYTES)
-    assert [r["chosen"] for r in rows] == [r["answer"] for r in ARITHMETIC]
-    assert all(r["rejected"] != r["chosen"] and 1 <= abs(int(r["rejected"]) - int(r["chosen"])) <= 3 for r in rows)
-    again = write_arithmetic_preferences(tmp_path / "again.jsonl", ARITHMETIC, seed=3)
-    assert again.read_text() == path.read_text()
-    for i, row in enumerate(rows):
-        chosen_ids, _, rejected_ids, _ = tokenize_preference_row(tokenizer, row, f"{path} row {i}", MAX_TOKENS)
+def test_arithmetic_preferences_are_deterministic_and_differ(tokenizer):
+    records = preference_records(ARITHMETIC, seed=3)
+    assert [r["chosen"] for r in records] == [r["answer"] for r in ARITHMETIC]
+    assert all(r["rejected"] != r["chosen"] and 1 <= abs(int(r["rejected"]) - int(r["chosen"])) <= 3 for r in records)
+    assert preference_records(ARITHMETIC, seed=3) == records
+    for i, row in enumerate(records):
+        chosen_ids, _, rejected_ids, _ = tokenize_preference_row(tokenizer, row, f"row {i}", MAX_TOKENS)
         assert chosen_ids != rejected_ids
 
 
-def test_rewrite_replaces_the_file_whole(tmp_path):
-    path = write_arithmetic_sft(tmp_path / "sft.jsonl", ARITHMETIC, chat=False)
-    write_arithmetic_sft(path, ARITHMETIC[:1], chat=False)
-    assert load_rows(str(path), ROW_BYTES) == [{"prompt": "12+7=", "response": "19"}]
+def sft_data(tmp_path) -> SFTDataConfig:
+    generated = ArithmeticSetConfig(train_size=12, val_size=4, max_operand=9, operations=["+"], seed=0)
+    return SFTDataConfig(name="sft_files", train_path=str(tmp_path / "train.jsonl"),
+                         val_path=str(tmp_path / "val.jsonl"), max_length=MAX_TOKENS, max_row_bytes=ROW_BYTES,
+                         pack=False, synthetic=generated)
+
+
+def load_sft(d, tokenizer):
+    return load_tokenized_splits(d, functools.partial(tokenize_sft_row, tokenizer))
+
+
+def test_generated_set_is_written_marked_and_rewritten_when_its_config_changes(tmp_path, tokenizer):
+    d = sft_data(tmp_path)
+    train, val = load_sft(d, tokenizer)
+    assert (len(train), len(val)) == (12, 4)
+    marker = json.loads((tmp_path / f"train.jsonl{GENERATED_MARKER}").read_text())
+    assert marker["generated_by"] == "rlkit" and marker["data.synthetic"]["train_size"] == 12
+    written = (tmp_path / "train.jsonl").stat().st_mtime_ns
+    load_sft(d, tokenizer)  # unchanged: left alone
+    assert (tmp_path / "train.jsonl").stat().st_mtime_ns == written
+    d.synthetic.train_size = 20  # its own file: rewritten (the set used to stay stale until deleted by hand)
+    assert len(load_sft(d, tokenizer)[0]) == 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl", f"train.jsonl{GENERATED_MARKER}",
+                                                          "val.jsonl", f"val.jsonl{GENERATED_MARKER}"]
+
+
+def test_generated_set_never_overwrites_a_users_file(tmp_path, tokenizer):
+    mine = '{"prompt": "my question", "response": "my answer"}\n'
+    (tmp_path / "train.jsonl").write_text(mine)
+    with pytest.raises(ConfigError, match=r"^data.train_path / data.synthetic: .*train.jsonl exists and rlkit did not "
+                                          r"generate it .*set data.synthetic=null to train on that file"):
+        load_sft(sft_data(tmp_path), tokenizer)
+    assert (tmp_path / "train.jsonl").read_text() == mine
+
+
+def test_generated_set_never_overwrites_its_file_once_changed_by_hand(tmp_path, tokenizer):
+    d = sft_data(tmp_path)
+    load_sft(d, tokenizer)
+    edited = (tmp_path / "val.jsonl").read_text() + '{"prompt": "my question", "response": "my answer"}\n'
+    (tmp_path / "val.jsonl").write_text(edited)
+    d.synthetic.seed = 1
+    with pytest.raises(ConfigError, match=r"^data.val_path / data.synthetic: .*val.jsonl was changed since rlkit "
+                                          r"generated it"):
+        load_sft(d, tokenizer)
+    assert (tmp_path / "val.jsonl").read_text() == edited
+
+
+def test_an_unmarked_file_holding_the_set_already_is_taken_over(tmp_path, tokenizer):
+    """Sets written before rlkit marked its files hold exactly the generated records: kept, and marked."""
+    d = sft_data(tmp_path)
+    load_sft(d, tokenizer)
+    (tmp_path / f"train.jsonl{GENERATED_MARKER}").unlink()
+    load_sft(d, tokenizer)
+    assert (tmp_path / f"train.jsonl{GENERATED_MARKER}").is_file()

@@ -239,10 +239,10 @@ class MegatronModelWorker:
         logprobs = -vocab_parallel_cross_entropy((logits.float() / self.temperature).contiguous(), next_ids)
         return self._token_aligned(logprobs, input_ids.shape[1])
 
-    def _token_entropy(self, logits: torch.Tensor, width: int) -> torch.Tensor:
+    def _token_entropy(self, logits: torch.Tensor, width: int, with_grad: bool = False) -> torch.Tensor:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        with torch.no_grad():
+        with torch.set_grad_enabled(with_grad):  # with_grad: an entropy bonus in the loss
             full = gather_from_tensor_model_parallel_region(logits.float() / self.temperature)
             return self._token_aligned(entropy_from_logits(full), width)
 
@@ -330,11 +330,14 @@ class MegatronModelWorker:
             present = [k for k in (*MODEL_INPUTS, *LENGTH_MASKS) if k in batch]
             batch = batch.select(*dict.fromkeys([*present, *objective.fields]))
         def loss_fn(output, micro_batch):
+            entropy = self._token_entropy(output, micro_batch["input_ids"].shape[1], objective.uses_entropy) \
+                if self.head == "lm" else None
+            if objective.uses_entropy:  # the objective reads it, with its gradient
+                micro_batch = micro_batch.with_fields(entropy=entropy)
             value, sums = objective(self._head_output(output, micro_batch["input_ids"]), micro_batch, totals)
             sums = {k: v.item() for k, v in sums.items()}
-            if self.head == "lm":
-                entropy = self._token_entropy(output, micro_batch["input_ids"].shape[1])
-                sums["entropy"] = (entropy * micro_batch[objective.mask_key]).sum().item()
+            if entropy is not None:
+                sums["entropy"] = (entropy.detach() * micro_batch[objective.mask_key]).sum().item()
             sums["loss"] = value.item()
             return value, sums
 
