@@ -101,9 +101,9 @@ class Megatron:
     """The policy's model as rlkit's bridge builds it, in this process (TP=PP=1)."""
 
     def __init__(self, model_dir: str, bf16: bool, fp32_lm_head: bool, attention_backend: str):
-        from rlkit.bridge import ModelBridge
+        from rlkit.bridge import open_bridge
 
-        self.bridge = ModelBridge(model_dir, torch.bfloat16 if bf16 else torch.float32, attention_backend)
+        self.bridge = open_bridge("mbridge", model_dir, torch.bfloat16 if bf16 else torch.float32, attention_backend)
         self.model = self.bridge.build(bf16=bf16, wrap_with_ddp=False, fp32_lm_head=fp32_lm_head)
         self.bridge.load_hf_weights(self.model)
         self.module = self.model[0]  # bf16: inside Float16Module, whose forward casts the output

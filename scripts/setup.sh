@@ -12,6 +12,12 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q torch==2.13.0+cpu 2>/dev/null \
   || .venv/bin/python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 .venv/bin/python -m pip install -q -e '.[test]'
+# NVIDIA Megatron-Bridge (policy.bridge=megatron_bridge) without its declared dependencies: they pin
+# transformers<5 and hydra-core<=1.3.2 and pull CUDA builds (transformer-engine, mamba-ssm). What it
+# imports beyond rlkit's own dependencies: triton (megatron-core's modules on its import path import
+# it unguarded) and rich (its progress bars). scripts/gpu-wheels.txt carries the same pins to the GPU
+# machine, whose torch brings its own triton.
+.venv/bin/python -m pip install -q --no-deps megatron-bridge==0.3.1 triton==3.6.0 rich==15.0.0
 # bubblewrap is the code sandbox's isolation (rlkit/envs/sandbox.py); code rewards refuse to run without it
 if ! command -v bwrap >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -59,6 +59,7 @@ class PolicyConfig:
     precision: str = MISSING
     fp32_lm_head: bool = MISSING
     attention_backend: str = MISSING
+    bridge: str = MISSING
     use_distributed_optimizer: bool = MISSING
     offload: str = MISSING
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from rlkit.algorithms.lr_schedule import SCHEDULES, check_learning_rate
 from rlkit.algorithms.registry import load_algorithm
-from rlkit.bridge import ATTENTION_BACKENDS
+from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
 from rlkit.cluster.refit_driver import TRANSPORTS
@@ -158,6 +158,7 @@ def validate(cfg: RootConfig) -> None:
     _choice("cluster.placement", cfg.cluster.placement, PLACEMENTS)
     _choice("policy.precision", p.precision, ("fp32", "bf16"))
     _choice("policy.attention_backend", p.attention_backend, ATTENTION_BACKENDS)
+    _choice("policy.bridge", p.bridge, BRIDGES)
     if algorithm.rollouts:
         _validate_rollout_choices(cfg)
     if cfg.data.name != algorithm.data:
@@ -208,6 +209,7 @@ def validate(cfg: RootConfig) -> None:
                               f"(got: {p.tensor_parallel_size}); pick a divisor of {count}")
     _validate_expert_parallel(p, dp, shape.experts)
     _validate_context_parallel(p, shape.experts)
+    _validate_bridge(p)
     if algorithm.rollouts:
         _validate_rollout_transport(cfg)
     _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
@@ -246,6 +248,22 @@ def _validate_expert_parallel(p: PolicyConfig, dp: int, experts: int) -> None:
         raise ConfigError(f"policy.expert_parallel_size: must divide the data-parallel size policy.num_workers / "
                           f"(TP x PP) = {dp} (got: {ep}); set policy.num_workers to a multiple of "
                           f"TP x PP x EP = {p.tensor_parallel_size * p.pipeline_parallel_size * ep}")
+
+
+def _validate_bridge(p: PolicyConfig) -> None:
+    """policy.bridge=megatron_bridge: the architectures rlkit checks it on, experts held on one rank
+    (its conversion numbers a rank's local experts as global ones only in TE's grouped layout) and
+    no context parallelism (never run with it)."""
+    if p.bridge != "megatron_bridge":
+        return
+    hf_config = {} if parse_tiny(p.model_path) else json.loads((Path(p.model_path) / "config.json").read_text())
+    model_type = parse_tiny(p.model_path) or hf_config.get("model_type")
+    check_bridge_supports(p.bridge, model_type)
+    for key, value in [("policy.expert_parallel_size", p.expert_parallel_size),
+                       ("policy.context_parallel_size", p.context_parallel_size)]:
+        if value > 1:
+            raise ConfigError(f"{key}: policy.bridge=megatron_bridge runs with {key}=1 only (got: {value}); set "
+                              f"{key}=1 or policy.bridge=mbridge")
 
 
 def _validate_context_parallel(p: PolicyConfig, experts: int) -> None:

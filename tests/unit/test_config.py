@@ -178,6 +178,16 @@ ERRORS = [
     ("cp-moe", ["policy.model_path=tiny://qwen3_moe", "policy.context_parallel_size=2"], "policy.context_parallel_size",
      ["tiny://qwen3_moe is an MoE model", "(got: 2)", "set policy.context_parallel_size=1"],
      ["policy.model_path=tiny://qwen3_moe", "policy.context_parallel_size=1"]),
+    # the HF <-> Megatron backend; megatron_bridge keeps experts on one rank and runs without context parallelism
+    ("bridge", ["policy.bridge=nemo"], "policy.bridge", ["must be one of", "'mbridge'", "'megatron_bridge'",
+                                                          "(got: 'nemo')"], ["policy.bridge=megatron_bridge"]),
+    ("megatron-bridge-ep", ["policy.bridge=megatron_bridge", "policy.model_path=tiny://qwen3_moe",
+                            "policy.expert_parallel_size=2"], "policy.expert_parallel_size",
+     ["policy.bridge=megatron_bridge runs with policy.expert_parallel_size=1 only", "(got: 2)", "policy.bridge=mbridge"],
+     ["policy.bridge=mbridge", "policy.model_path=tiny://qwen3_moe", "policy.expert_parallel_size=2"]),
+    ("megatron-bridge-cp", ["policy.bridge=megatron_bridge", "policy.context_parallel_size=2"],
+     "policy.context_parallel_size", ["runs with policy.context_parallel_size=1 only", "(got: 2)"],
+     ["policy.bridge=mbridge", "policy.context_parallel_size=2"]),
     # the recipe turns the warm start on (40 SFT steps); 48 is not a multiple of DP (2) x mbs (16) = 32
     ("warm-start-batch-not-divisible", ["algorithm.warm_start.batch_size=48"], "algorithm.warm_start.batch_size",
      ["divisible by DP (2) x policy.micro_batch_size (16)", "(got: 48)"], ["algorithm.warm_start.batch_size=96"]),
@@ -405,6 +415,14 @@ def test_checkpoint_dir_experts_from_config_json(tmp_path, experts_key):
                           "policy.micro_batch_size=8"])
     assert_names_key(message, "policy.expert_parallel_size")
     assert "must divide the model's 6 experts" in message
+
+
+def test_megatron_bridge_refuses_an_architecture_it_is_not_checked_on(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "mistral", {"num_attention_heads": 4, "model_type": "mistral"})
+    load_config(RECIPE, [f"policy.model_path={ckpt}"])
+    message = load_error([f"policy.model_path={ckpt}", "policy.bridge=megatron_bridge"])
+    assert_names_key(message, "policy.bridge")
+    assert "not 'mistral'" in message and "use policy.bridge=mbridge" in message
 
 
 def test_checkpoint_dir_without_config_json(tmp_path):

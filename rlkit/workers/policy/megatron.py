@@ -77,11 +77,12 @@ class MegatronModelWorker:
         self.mpu = mpu
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
-        from rlkit.bridge import ModelBridge
+        from rlkit.bridge import open_bridge
 
         self.bf16, self.head = cfg.precision == "bf16", head
         self.name = "policy" if head == "lm" else "critic"  # its folder in a checkpoint
-        self.bridge = ModelBridge(model_dir, torch.bfloat16 if self.bf16 else torch.float32, cfg.attention_backend)
+        self.bridge = open_bridge(cfg.bridge, model_dir, torch.bfloat16 if self.bf16 else torch.float32,
+                                  cfg.attention_backend)
         self.model = self.bridge.build(bf16=self.bf16, wrap_with_ddp=True, value_head=head == "value",
                                        fp32_lm_head=cfg.fp32_lm_head,
                                        use_distributed_optimizer=cfg.use_distributed_optimizer)
