@@ -5,6 +5,7 @@ pick their interface from the hostname. A store has no authentication, so a run 
 cluster must not be reachable from the network: rank 0 binds the store's socket itself and hands
 it over, and gloo/NCCL are told which interface holds the address."""
 
+import importlib
 import ipaddress
 import os
 import socket
@@ -39,19 +40,40 @@ def use_interface_of(address: str) -> None:
         os.environ.setdefault(variable, name)
 
 
-def init_process_group(backend: str, host: str, port: int, rank: int, world_size: int, timeout: timedelta,
-                       node_address: str) -> None:
-    """dist.init_process_group with its store on host:port (rank 0 serves it, bound to `host` alone)
-    and gloo/NCCL sockets on the interface of node_address, this worker's own node."""
-    use_interface_of(node_address)
+def bound_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The TCPStore of a process group: rank 0 serves it on host:port (port 0: a free one) and
+    nowhere else, the other ranks connect to it."""
     listen_fd = None
     if rank == 0:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server = socket.socket(family, socket.SOCK_STREAM)
+        server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind((host, port))
         server.listen(world_size)
+        port = server.getsockname()[1]
         listen_fd = server.detach()  # the store owns the socket from here on, and closes it
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
-                          master_listen_fd=listen_fd)
+    return dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd)
+
+
+def init_process_group(backend: str, host: str, port: int, rank: int, world_size: int, timeout: timedelta,
+                       node_address: str) -> None:
+    """dist.init_process_group with its store on host:port (bound_store) and gloo/NCCL sockets on
+    the interface of node_address, this worker's own node."""
+    use_interface_of(node_address)
+    store = bound_store(host, port, rank, world_size, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def bind_tcp_rendezvous_stores() -> None:
+    """Process groups this process joins through `init_method="tcp://host:port"`, as vLLM's
+    engine does, get their store from bound_store: served on host alone. torch makes that store
+    in rendezvous._create_c10d_store (private; the same signature from torch 2.0 to 2.13)."""
+    # the module: torch.distributed's attribute of that name is its rendezvous function
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    if getattr(rendezvous._create_c10d_store, "binds_its_host", False):
+        return
+
+    def create_store(hostname, port, rank, world_size, timeout, use_libuv=True):
+        return bound_store(hostname, port, rank, world_size, timeout)
+
+    create_store.binds_its_host = True
+    rendezvous._create_c10d_store = create_store

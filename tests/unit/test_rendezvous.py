@@ -1,5 +1,6 @@
 """torch.distributed rendezvous on one address: the store and gloo listen on loopback alone."""
 
+import importlib
 import socket
 from datetime import timedelta
 
@@ -43,5 +44,24 @@ def test_a_process_group_listens_on_its_node_address_only(monkeypatch):
         opened = set(listening()) - before
         assert ("127.0.0.1", port) in opened  # the store, bound where it was told
         assert opened and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip, _ in opened), opened
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_tcp_init_method_serves_its_store_on_its_host_alone(monkeypatch):
+    """init_method="tcp://host:port", the way vLLM's engine joins its group: torch alone would
+    serve the store on every interface (::)."""
+    torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    monkeypatch.setattr(torch_rendezvous, "_create_c10d_store", torch_rendezvous._create_c10d_store)
+    rendezvous.bind_tcp_rendezvous_stores()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    before = set(listening())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    try:
+        assert ("127.0.0.1", port) in set(listening()) - before
+        assert ("::", port) not in listening()
     finally:
         dist.destroy_process_group()

@@ -12,9 +12,12 @@ import pickle
 import threading
 import time
 
+import ray
+
 from rlkit.config.schema import GenerationConfig
 from rlkit.data.generation import Generations, SamplingParams
 from rlkit.workers.generation.base import GenerationWorker
+from rlkit.workers.rendezvous import use_interface_of
 
 
 class VLLMGenerationWorker(GenerationWorker):
@@ -25,6 +28,10 @@ class VLLMGenerationWorker(GenerationWorker):
         # the engine core is a separate process; IPC handles and plans travel by pickle
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        # the engine's process group on this node's address alone (its store: vllm_ext.py)
+        node_address = ray.util.get_node_ip_address()
+        os.environ.setdefault("VLLM_HOST_IP", node_address)
+        use_interface_of(node_address)
         from vllm import LLM
 
         v = cfg.vllm

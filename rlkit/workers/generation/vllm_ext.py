@@ -9,6 +9,11 @@ import pickle
 import torch
 
 from rlkit.refit.plan import bucket_checksum
+from rlkit.workers.rendezvous import bind_tcp_rendezvous_stores
+
+# vLLM's engine imports this module before its workers join their process group (tcp://), whose
+# store torch would otherwise serve on every interface
+bind_tcp_rendezvous_stores()
 
 
 def _pickled_args(method):
