@@ -11,8 +11,9 @@ from typing import Iterator
 
 import torch
 
+from rlkit.bridge.adapters import check_peft
 from rlkit.bridge.common import RowExport, unwrap
-from rlkit.config.schema import ConfigError
+from rlkit.config.schema import ConfigError, PeftConfig
 
 # policy.attention_backend: torch SDPA (sdpa_attention.py) or Megatron's unfused DotProductAttention
 ATTENTION_BACKENDS = ("sdpa", "local")
@@ -73,6 +74,23 @@ class ModelBridge(ABC):
     def save_hf_weights(self, chunks: list, out_dir: str):
         """The chunks' weights as an HF safetensors checkpoint in out_dir. Collective."""
 
+    def load_model_state(self, model, state: dict):
+        """A distributed checkpoint's model state (as model.sharded_state_dict() laid it out) into
+        the unwrapped model chunk."""
+        model.load_state_dict(state)
+
+    # policy.peft: every model built here carries trainable adapters over frozen weights; exports
+    # and saves hold the adapters merged into the weights
+    has_adapters: bool = False
+
+    def adapters_disabled(self, chunks: list):
+        """A context in which the chunks compute without their adapters: the base model."""
+        raise NotImplementedError(f"{type(self).__name__} builds no adapters")
+
+    def restart_adapters(self, chunks: list):
+        """Adapters back to adding nothing (as created), so the chunks compute their base model."""
+        raise NotImplementedError(f"{type(self).__name__} builds no adapters")
+
     def load_trunk_weights(self, critic_chunks: list, bf16: bool):
         """Initialise a critic from the HF checkpoint: every weight but the LM head (which the
         critic replaced). Goes through a temporary LM so the bridge's own name mapping is used."""
@@ -87,15 +105,18 @@ class ModelBridge(ABC):
                                    f"unexpected {unexpected[:3]}")
 
 
-def open_bridge(bridge: str, hf_dir: str, params_dtype: torch.dtype, attention_backend: str) -> ModelBridge:
+def open_bridge(bridge: str, hf_dir: str, params_dtype: torch.dtype, attention_backend: str,
+                peft: PeftConfig | None = None) -> ModelBridge:
     """The policy.bridge backend over the checkpoint in hf_dir; attention_backend (one of
     ATTENTION_BACKENDS) is the core attention of every model it builds where TransformerEngine is
-    not installed (with it, the backend's TE spec brings TE's attention)."""
+    not installed (with it, the backend's TE spec brings TE's attention); peft (policy.peft) adds
+    adapters to every model it builds."""
+    check_peft(peft, bridge)
     if bridge == "mbridge":
         from rlkit.bridge.mbridge_backend import MBridge
         return MBridge(hf_dir, params_dtype, attention_backend)
     if bridge == "megatron_bridge":
         from rlkit.bridge.megatron_bridge_backend import MegatronBridge
-        return MegatronBridge(hf_dir, params_dtype, attention_backend)
+        return MegatronBridge(hf_dir, params_dtype, attention_backend, peft)
     raise ConfigError(f"policy.bridge: must be one of {list(BRIDGES)} (got: {bridge!r}); pick one of those")
 

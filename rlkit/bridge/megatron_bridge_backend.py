@@ -3,9 +3,11 @@
 
 The bridge turns the HF config into a model provider (a TransformerConfig that builds GPTModel
 chunks); rlkit sets the layout from megatron's parallel_state and its RL settings on it, then
-builds. Loading and exporting go through the bridge's conversion tasks: one task per Megatron
-weight, planned once per model and reused by every export, so the HF names come out in one fixed
-order, one tensor at a time."""
+builds (megatron_bridge_integration.py), policy.peft's LoRA adapters added by the bridge's PEFT
+before DDP wraps the chunks. Loading and exporting go through the bridge's conversion tasks: one
+task per Megatron weight, planned once per model and reused by every export, so the HF names come
+out in one fixed order, one tensor at a time; with adapters, each weight comes out with its
+adapter merged in."""
 
 import importlib.util
 import weakref
@@ -18,15 +20,16 @@ from rlkit.bridge import ModelBridge, check_bridge_supports
 from rlkit.bridge.common import (RL_MODEL_SETTINGS, RowExport, core_attention, head_hooks, holds_every_weight,
                                  local_layer_spec, probe_rows, router_gemm_without_te, unwrap)
 from rlkit.bridge.megatron_bridge_compat import auto_bridge
-from rlkit.config.schema import ConfigError
+from rlkit.bridge.megatron_bridge_integration import (configure_provider, create_ddp_config, create_peft,
+                                                      create_peft_hook, load_adapted_model_state)
+from rlkit.config.schema import ConfigError, PeftConfig
 
 
 class MegatronBridge(ModelBridge):
     """attention_backend (one of ATTENTION_BACKENDS) is the core attention of every model it builds
     where TransformerEngine is not installed; with it, the bridge's TE spec brings TE's attention."""
 
-    def __init__(self, hf_dir: str, params_dtype: torch.dtype, attention_backend: str):
-        from megatron.core import parallel_state as mpu
+    def __init__(self, hf_dir: str, params_dtype: torch.dtype, attention_backend: str, peft: PeftConfig | None = None):
         from transformers import AutoConfig
 
         self.hf_dir = str(hf_dir)
@@ -34,43 +37,62 @@ class MegatronBridge(ModelBridge):
         self._bridge = auto_bridge().from_hf_pretrained(self.hf_dir)  # the config now, tensors when converted
         self.hf_config = self._bridge.hf_pretrained.config
         provider = self._bridge.to_megatron_provider(load_weights=False)
-        for key, value in {**RL_MODEL_SETTINGS,
-                           "tensor_model_parallel_size": mpu.get_tensor_model_parallel_world_size(),
-                           "pipeline_model_parallel_size": mpu.get_pipeline_model_parallel_world_size(),
-                           "context_parallel_size": mpu.get_context_parallel_world_size(),
-                           "expert_model_parallel_size": mpu.get_expert_model_parallel_world_size(),
-                           "params_dtype": params_dtype, "bf16": params_dtype == torch.bfloat16, "fp16": False,
-                           # the only MoE dispatcher Megatron runs with variable_seq_lengths (dense models too
-                           # pass its check)
-                           "moe_token_dispatcher_type": "alltoall",
-                           # num_nextn_predict_layers: 0 maps to 0 MTP layers, which Megatron spells None
-                           "mtp_num_layers": provider.mtp_num_layers or None}.items():
-            setattr(provider, key, value)
+        overrides = {**RL_MODEL_SETTINGS,
+                     # the only MoE dispatcher Megatron runs with variable_seq_lengths (dense models too pass
+                     # its check)
+                     "moe_token_dispatcher_type": "alltoall",
+                     # num_nextn_predict_layers: 0 maps to 0 MTP layers, which Megatron spells None
+                     "mtp_num_layers": provider.mtp_num_layers or None}
         if importlib.util.find_spec("transformer_engine") is None:
             router_gemm_without_te()
             # grouped experts and the fused permutation need TE: one torch MLP per local expert
             # instead; the shared expert runs in line rather than overlapped on a side stream
-            provider.moe_grouped_gemm = provider.moe_permute_fusion = provider.moe_shared_expert_overlap = False
-            provider.transformer_layer_spec = partial(local_layer_spec,
-                                                      core_attention=core_attention(attention_backend))
-        provider.finalize()
+            overrides.update(moe_grouped_gemm=False, moe_permute_fusion=False, moe_shared_expert_overlap=False,
+                             transformer_layer_spec=partial(local_layer_spec,
+                                                            core_attention=core_attention(attention_backend)))
+        configure_provider(provider, params_dtype, overrides)
         self._provider = provider
         self._plans = weakref.WeakKeyDictionary()  # first chunk of a model -> its conversion tasks
+        self._peft = create_peft(peft) if peft is not None else None
 
     @property
     def transformer_config(self):
         return self._provider  # the config every model built here holds
 
+    @property
+    def has_adapters(self) -> bool:
+        return self._peft is not None
+
     def build(self, bf16: bool, wrap_with_ddp: bool, use_distributed_optimizer: bool = False,
               value_head: bool = False, fp32_lm_head: bool = False) -> list:
-        from megatron.core.distributed import DistributedDataParallelConfig
-
-        hooks = head_hooks(value_head, fp32_lm_head)
+        hooks = [partial(_each_chunk, hook) for hook in head_hooks(value_head, fp32_lm_head)]
+        if self._peft is not None:
+            hooks.append(create_peft_hook(self._peft))
         return self._provider.provide_distributed_model(
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                     use_distributed_optimizer=use_distributed_optimizer),
-            bf16=bf16, wrap_with_ddp=wrap_with_ddp, use_cpu_initialization=not torch.cuda.is_available(),
-            pre_wrap_hook=[partial(_each_chunk, hook) for hook in hooks])
+            ddp_config=create_ddp_config(use_distributed_optimizer), bf16=bf16, wrap_with_ddp=wrap_with_ddp,
+            use_cpu_initialization=not torch.cuda.is_available(), pre_wrap_hook=hooks)
+
+    def adapters_disabled(self, chunks: list):
+        return self._peft.disable_adapter(chunks)
+
+    def load_model_state(self, model, state: dict):
+        if self._peft is None:
+            return super().load_model_state(model, state)
+        load_adapted_model_state(model, state)
+
+    def restart_adapters(self, chunks: list):
+        # LoRA's B matrices (linear_out), zero as at creation: the adapters add nothing
+        with torch.no_grad():
+            for chunk in chunks:
+                for module in unwrap(chunk).modules():
+                    if isinstance(getattr(module, "adapter", None), torch.nn.Module):
+                        module.adapter.linear_out.weight.zero_()
+
+    def export_adapter_weights(self, chunks: list) -> list[tuple[str, torch.Tensor]]:
+        """The adapters alone, under HF PEFT's module names (<hf module>.lora_A.weight, .lora_B.weight):
+        a fused layer's adapter as one per HF module, sharing its A. Collective."""
+        with torch.no_grad():
+            return list(self._bridge.export_adapter_weights(chunks, cpu=False, show_progress=False))
 
     def load_hf_weights(self, chunks: list, hf_dir: str | None = None):
         self._conversion_tasks(chunks)  # every weight has a conversion, or the load is refused
@@ -88,7 +110,7 @@ class MegatronBridge(ModelBridge):
             yield item
 
     def export_rows(self, chunks: list) -> RowExport | None:
-        if not holds_every_weight(chunks):
+        if not holds_every_weight(chunks) or self._peft is not None:  # merged adapters are computed, not moved
             return None
         tasks = self._conversion_tasks(chunks)
         if not all(isinstance(task.param_weight, torch.nn.Parameter) for task in tasks):
@@ -112,8 +134,10 @@ class MegatronBridge(ModelBridge):
             tasks = self._bridge.get_conversion_tasks(chunks)
             converted = {task.param_name for task in tasks if task is not None and task.megatron_module is not None}
             tied = self._provider.share_embeddings_and_output_weights  # the output layer loads from the embedding
+            # adapters are exported merged into their base weight's conversion
             missing = [name for chunk in chunks for name, _ in unwrap(chunk).named_parameters()
-                       if name not in converted and not (tied and name.startswith("output_layer."))]
+                       if name not in converted and not (tied and name.startswith("output_layer."))
+                       and ".adapter." not in name]
             if missing or None in tasks:
                 raise ConfigError(f"policy.bridge: megatron_bridge has no conversion for {missing[:3] or 'some'} "
                                   f"weights of {self.hf_config.model_type} ({self.hf_dir}); use policy.bridge=mbridge")

@@ -45,6 +45,17 @@ class OptimizerConfig:
 
 
 @dataclass
+class PeftConfig:
+    """policy.peft: low-rank adapters on the named linear layers; the base weights stay frozen."""
+
+    type: str = MISSING
+    rank: int = MISSING
+    alpha: float = MISSING
+    dropout: float = MISSING
+    target_modules: list[str] = MISSING
+
+
+@dataclass
 class PolicyConfig:
     model_path: str = MISSING
     tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -62,6 +73,8 @@ class PolicyConfig:
     bridge: str = MISSING
     use_distributed_optimizer: bool = MISSING
     offload: str = MISSING
+    # None: every weight trains
+    peft: Optional[PeftConfig] = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
 

@@ -20,6 +20,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from rlkit.algorithms.lr_schedule import SCHEDULES, check_learning_rate
 from rlkit.algorithms.registry import load_algorithm
 from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports
+from rlkit.bridge.adapters import check_peft
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
 from rlkit.cluster.refit_driver import TRANSPORTS
@@ -210,6 +211,7 @@ def validate(cfg: RootConfig) -> None:
     _validate_expert_parallel(p, dp, shape.experts)
     _validate_context_parallel(p, shape.experts)
     _validate_bridge(p)
+    check_peft(p.peft, p.bridge)
     if algorithm.rollouts:
         _validate_rollout_transport(cfg)
     _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
@@ -217,6 +219,10 @@ def validate(cfg: RootConfig) -> None:
         raise ConfigError("checkpoint.save_format: hf keeps per-rank optimizer state, which the distributed optimizer "
                           "does not expose that way, so a resume would restore stale weights; use "
                           "checkpoint.save_format=dist (or policy.use_distributed_optimizer=false)")
+    if cfg.checkpoint.save_format == "hf" and p.peft is not None:
+        raise ConfigError("checkpoint.save_format: hf saves the policy with its adapters merged into the weights, "
+                          "which a resume would load as the base under the adapters again; use "
+                          "checkpoint.save_format=dist with policy.peft")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
         raise ConfigError(f"checkpoint.every / checkpoint.keep_last: must be >= 0 (got: {cfg.checkpoint.every}, "
                           f"{cfg.checkpoint.keep_last}); 0 means only at the end / keep all")

@@ -81,8 +81,9 @@ class MegatronModelWorker:
 
         self.bf16, self.head = cfg.precision == "bf16", head
         self.name = "policy" if head == "lm" else "critic"  # its folder in a checkpoint
+        # policy.peft adapts the policy; PPO's critic trains all of its weights
         self.bridge = open_bridge(cfg.bridge, model_dir, torch.bfloat16 if self.bf16 else torch.float32,
-                                  cfg.attention_backend)
+                                  cfg.attention_backend, cfg.peft if head == "lm" else None)
         self.model = self.bridge.build(bf16=self.bf16, wrap_with_ddp=True, value_head=head == "value",
                                        fp32_lm_head=cfg.fp32_lm_head,
                                        use_distributed_optimizer=cfg.use_distributed_optimizer)
@@ -99,6 +100,7 @@ class MegatronModelWorker:
         self.optimizer = None
         self.lr = cfg.optimizer.lr
         self.reference = None
+        self.reference_is_base = False  # the reference is self.model with its adapters off (init_reference)
         self.temperature = 1.0
 
     # ---- setup -------------------------------------------------------------------------
@@ -159,7 +161,16 @@ class MegatronModelWorker:
 
     def init_reference(self, hf_dir: str):
         """Load the frozen KL reference policy from an HF checkpoint (the run's starting weights,
-        so a resumed run keeps the same anchor)."""
+        so a resumed run keeps the same anchor). With adapters (policy.peft) the reference is the
+        policy's own frozen base with the adapters off, no second copy of the weights: hf_dir's
+        weights become the base and the adapters restart from nothing added, which leaves the
+        policy as it was where hf_dir holds it merged (a warm start saved from this model)."""
+        if self.bridge.has_adapters:
+            if os.path.realpath(hf_dir) != os.path.realpath(self.bridge.hf_dir):
+                self.bridge.load_hf_weights(self.model, hf_dir)
+                self.bridge.restart_adapters(self.model)
+            self.reference_is_base = True
+            return
         self.reference = self.bridge.build(bf16=self.bf16, wrap_with_ddp=False, fp32_lm_head=self.cfg.fp32_lm_head)
         self.bridge.load_hf_weights(self.reference, hf_dir)
         for chunk in self.reference:
@@ -318,8 +329,11 @@ class MegatronModelWorker:
         return self._forward_with(batch, self.model)
 
     def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
+        if self.reference_is_base:
+            with self.bridge.adapters_disabled(self.model):
+                return self._forward_with(batch, self.model)
         if self.reference is None:
-            raise RuntimeError("reference_logprobs called before init_reference")
+            raise RuntimeError("the reference policy was asked for before init_reference")
         return self._forward_with(batch, self.reference)
 
     def train(self, batch: Batch, totals: BatchTotals, objective: Callable) -> dict | None:
@@ -381,9 +395,7 @@ class MegatronModelWorker:
         stage). Returns, from output ranks, the agreement sums of these logprobs with the
         sampler's when the held rows carry them, and for the reference its KL sums to the held
         old_logprobs (rlkit/observability/logprob_agreement.py)."""
-        if reference and self.reference is None:
-            raise RuntimeError("forward_held(reference=True) called before init_reference")
-        output = self._forward_with(self.held, self.reference if reference else self.model)
+        output = self.reference_logprobs(self.held) if reference else self._forward_with(self.held, self.model)
         if output is None:
             return None
         self.held = self.held.with_fields(**{into: output})
@@ -512,7 +524,7 @@ class MegatronModelWorker:
             model_state = self._inner_model().sharded_state_dict()
             loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer.sharded_state_dict(
                 model_state, is_loading=True, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir)
-            self._inner_model().load_state_dict(loaded["model"])
+            self.bridge.load_model_state(self._inner_model(), loaded["model"])
             _load_optimizer_state(optimizer, loaded["optimizer"])
         else:
             self.bridge.load_hf_weights(self.model, os.path.join(own_dir, "hf"))

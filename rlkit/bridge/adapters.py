@@ -1,0 +1,54 @@
+"""policy.peft: which linear layers get LoRA adapters, in HF's names (q_proj, ..., down_proj), and
+the Megatron modules those are. Pure: checked at config load, used by the backend at build.
+
+Megatron fuses q/k/v into one linear_qkv and gate/up into one linear_fc1, and Megatron-Bridge's
+LoRA puts one adapter on a fused layer: the fused names must be asked for together."""
+
+from rlkit.config.schema import ConfigError, PeftConfig
+
+# policy.peft.type. Not DoRA: Megatron-Bridge 0.3.1's merged export folds every adapter as a plain
+# LoRA, without DoRA's magnitude vector, so generation would get other weights than the policy's
+PEFT_TYPES = ("lora",)
+# HF module names -> the Megatron linear layer that computes them (local and TE layer specs alike)
+MEGATRON_LINEAR = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
+                   "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
+                   "down_proj": "linear_fc2"}
+
+
+def megatron_target_modules(target_modules: list[str]) -> list[str]:
+    """The Megatron linear layers that cover exactly the HF modules named, in MEGATRON_LINEAR's
+    order. A ConfigError naming policy.peft.target_modules for an unknown name, an empty list, or
+    part of a fused layer."""
+    unknown = [name for name in target_modules if name not in MEGATRON_LINEAR]
+    if unknown or not target_modules:
+        raise ConfigError(f"policy.peft.target_modules: must be a non-empty list of {list(MEGATRON_LINEAR)} "
+                          f"(got: {list(target_modules)}); e.g. [q_proj, k_proj, v_proj, o_proj]")
+    chosen = set(target_modules)
+    targets = []
+    for linear in dict.fromkeys(MEGATRON_LINEAR.values()):
+        fused = {name for name, target in MEGATRON_LINEAR.items() if target == linear}
+        if chosen & fused and not fused <= chosen:
+            raise ConfigError(f"policy.peft.target_modules: Megatron computes {sorted(fused)} in one layer "
+                              f"({linear}), which takes one adapter; name all of them or none (got: "
+                              f"{list(target_modules)})")
+        if chosen & fused:
+            targets.append(linear)
+    return targets
+
+
+def check_peft(peft: PeftConfig | None, bridge: str) -> None:
+    """policy.peft against its own ranges and policy.bridge: one ConfigError naming the key."""
+    if peft is None:
+        return
+    if bridge != "megatron_bridge":
+        raise ConfigError(f"policy.peft: adapters are built by Megatron-Bridge's PEFT, which policy.bridge={bridge} "
+                          f"does not run; set policy.bridge=megatron_bridge or policy.peft=null")
+    if peft.type not in PEFT_TYPES:
+        raise ConfigError(f"policy.peft.type: must be one of {list(PEFT_TYPES)} (got: {peft.type!r}); pick one of those")
+    if peft.rank < 1:
+        raise ConfigError(f"policy.peft.rank: must be >= 1 (got: {peft.rank}); e.g. 8")
+    if peft.alpha <= 0:
+        raise ConfigError(f"policy.peft.alpha: must be > 0 (got: {peft.alpha}); e.g. twice policy.peft.rank")
+    if not 0 <= peft.dropout < 1:
+        raise ConfigError(f"policy.peft.dropout: must lie in [0, 1) (got: {peft.dropout}); e.g. 0.0")
+    megatron_target_modules(peft.target_modules)
