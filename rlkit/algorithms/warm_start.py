@@ -67,16 +67,13 @@ def validate_warm_start(cfg: RootConfig, dp: int) -> None:
 def warm_start_dir(cfg: RootConfig, model_dir: Path, resume_from: Path | None, uses_reference: bool,
                    *data_identity) -> tuple[Path, Path | None]:
     """(directory the policy starts from, warm-start directory still to be written or None).
-    The cache key covers the model, the warm-start settings, the data section, data_identity
-    (e.g. the data files' sizes and times) and the adapters (policy.peft), so a change to any of
-    them trains a new warm start."""
+    The cache key covers the model, the warm-start settings, the data section and data_identity
+    (e.g. the data files' sizes and times), so a change to any of them trains a new warm start.
+    A warm start tunes every weight, with or without policy.peft (see rlkit/launch/run.py)."""
     w = cfg.algorithm.warm_start
     if w.sft_steps == 0:
         return model_dir, None
-    # a LoRA warm start trains adapters only: another checkpoint than full tuning's (full tuning's key unchanged)
-    adapters = [cfg.policy.peft] if cfg.policy.peft is not None else []
-    key = cache_key(str(model_dir), w.sft_steps, w.batch_size, w.lr, cfg.data, cfg.run.seed, *data_identity,
-                    *adapters)
+    key = cache_key(str(model_dir), w.sft_steps, w.batch_size, w.lr, cfg.data, cfg.run.seed, *data_identity)
     warm_dir = Path(cfg.run.cache_dir).resolve() / f"warm-start-{key}"
     if (warm_dir / "config.json").is_file():
         log.info("warm start: using the cached SFT checkpoint %s", warm_dir)

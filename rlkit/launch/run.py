@@ -4,6 +4,7 @@ and cleanup. Also the two other commands that start workers: verify-refit and co
 
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -57,18 +58,24 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
     if algorithm.warm_start is not None:
         start_dir, warm_dir = warm_start_dir(cfg, model_dir, resume_from, algorithm.uses_reference(cfg.algorithm),
                                              *data.identity)
+    if resume_from is None and warm_dir is not None and cfg.policy.peft is not None:
+        # adapters on a model that never answers learn too little to start from: the warm start
+        # tunes every weight, on workers of its own, and the adapters train on top of its result
+        full_tuning = replace(cfg, policy=replace(cfg.policy, peft=None))
+        warm_workers = start_workers(full_tuning, str(start_dir), with_generation=False, with_critic=False)
+        try:
+            with stop_on_signals(cfg.checkpoint.interrupt_grace_s) as stop_requested:
+                _warm_start(full_tuning, algorithm, warm_workers.policy, tokenizer, data, warm_dir, stop_requested)
+        finally:
+            warm_workers.shutdown(keep_ray_logs=_failing())
+        start_dir, warm_dir = warm_dir, None
     workers = start_workers(cfg, str(start_dir), with_generation=algorithm.rollouts, with_critic=algorithm.critic)
     logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state_step)
     trainer = None
     try:
         with stop_on_signals(cfg.checkpoint.interrupt_grace_s) as stop_requested:
             if resume_from is None and warm_dir is not None:
-                log.info("warm start: running %d SFT steps with rlkit's trainer before %s, cached in %s",
-                         cfg.algorithm.warm_start.sft_steps, algorithm.name, warm_dir)
-                with stop_requested.stopping_at_once("during the warm start, which is not checkpointed (the next "
-                                                     "run redoes it)"):
-                    cached_warm_start(workers.policy, warm_dir,
-                                      lambda: algorithm.warm_start(cfg, workers.policy, tokenizer, data, warm_dir))
+                _warm_start(cfg, algorithm, workers.policy, tokenizer, data, warm_dir, stop_requested)
                 start_dir = warm_dir
             trainer = algorithm.trainer(RunContext(cfg, algorithm, workers, tokenizer, data, start_dir))
             rows = ShuffledStream(data.train, trainer.rows_per_step, cfg.run.seed)
@@ -78,6 +85,14 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
             trainer.close()
         logger.close()
         workers.shutdown(keep_ray_logs=_failing())
+
+
+def _warm_start(cfg: RootConfig, algorithm, policy, tokenizer, data, warm_dir: Path, stop_requested) -> None:
+    """The algorithm's warm start on `policy`, cached as an HF checkpoint in warm_dir."""
+    log.info("warm start: running %d SFT steps with rlkit's trainer before %s, cached in %s",
+             cfg.algorithm.warm_start.sft_steps, algorithm.name, warm_dir)
+    with stop_requested.stopping_at_once("during the warm start, which is not checkpointed (the next run redoes it)"):
+        cached_warm_start(policy, warm_dir, lambda: algorithm.warm_start(cfg, policy, tokenizer, data, warm_dir))
 
 
 def verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
