@@ -16,7 +16,9 @@ class ProcessTree:
     processes: dict = field(default_factory=dict)  # pid -> (create_time, command line)
     listening: set = field(default_factory=set)  # (command line, ip, port)
 
-    def look(self) -> None:
+    def look(self, sockets: bool = True) -> None:
+        """Record the processes under the root now and, with sockets, what each listens on (the
+        slow part: a read of the socket tables per process)."""
         try:
             root = psutil.Process(self.root)
             found = [root, *root.children(recursive=True)]
@@ -26,7 +28,7 @@ class ProcessTree:
             try:
                 command = " ".join(process.cmdline())[:200]
                 self.processes[process.pid] = (process.create_time(), command)  # a Ray worker renames itself
-                for c in process.net_connections(kind="inet"):
+                for c in process.net_connections(kind="inet") if sockets else ():
                     if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and c.laddr and c.laddr.port):
                         self.listening.add((command[:60], c.laddr.ip, c.laddr.port))
             except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
