@@ -4,7 +4,7 @@ from where one rank holds every weight."""
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -101,6 +101,18 @@ def lm_head_in_fp32(model):
         return forward(input_.float(), weight=weight.float(), runtime_gather_output=runtime_gather_output)
 
     layer.forward = fp32_forward
+
+
+def without_grad(items: Iterator):
+    """The items of an export stream, each made with autograd off: the gathers and broadcasts
+    inside must not record graphs on parameters that require grad. Per item, so grad mode never
+    leaks into the consumer."""
+    while True:
+        with torch.no_grad():
+            item = next(items, None)
+        if item is None:
+            return
+        yield item
 
 
 def holds_every_weight(chunks: list) -> bool:

@@ -10,7 +10,7 @@ import torch
 
 from rlkit.bridge import ModelBridge
 from rlkit.bridge.common import (RL_MODEL_SETTINGS, RowExport, core_attention, head_hooks, holds_every_weight,
-                                 local_layer_spec, probe_rows, router_gemm_without_te, unwrap)
+                                 local_layer_spec, probe_rows, router_gemm_without_te, unwrap, without_grad)
 from rlkit.config.schema import ConfigError
 
 _patched = set()
@@ -127,13 +127,7 @@ class MBridge(ModelBridge):
         self._bridge.load_weights(chunks, str(hf_dir or self.hf_dir))
 
     def export_hf_weights(self, chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
-        exported = self._bridge.export_weights(chunks)
-        while True:
-            with torch.no_grad():  # per item, so grad mode never leaks into the consumer
-                item = next(exported, None)
-            if item is None:
-                return
-            yield item
+        yield from without_grad(self._bridge.export_weights(chunks))
 
     def export_rows(self, chunks: list) -> RowExport | None:
         if not holds_every_weight(chunks):

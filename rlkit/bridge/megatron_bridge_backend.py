@@ -18,7 +18,7 @@ import torch
 
 from rlkit.bridge import ModelBridge, check_bridge_supports
 from rlkit.bridge.common import (RL_MODEL_SETTINGS, RowExport, core_attention, head_hooks, holds_every_weight,
-                                 local_layer_spec, probe_rows, router_gemm_without_te, unwrap)
+                                 local_layer_spec, probe_rows, router_gemm_without_te, unwrap, without_grad)
 from rlkit.bridge.megatron_bridge_compat import auto_bridge
 from rlkit.bridge.megatron_bridge_integration import (configure_provider, create_ddp_config, create_peft,
                                                       create_peft_hook, load_adapted_model_state)
@@ -100,14 +100,8 @@ class MegatronBridge(ModelBridge):
             self._bridge.load_hf_weights(chunks, str(hf_dir) if hf_dir else None)
 
     def export_hf_weights(self, chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
-        exported = self._bridge.export_hf_weights(chunks, cpu=False, show_progress=False,
-                                                  conversion_tasks=self._conversion_tasks(chunks))
-        while True:
-            with torch.no_grad():  # per item, so grad mode never leaks into the consumer
-                item = next(exported, None)
-            if item is None:
-                return
-            yield item
+        yield from without_grad(self._bridge.export_hf_weights(chunks, cpu=False, show_progress=False,
+                                                               conversion_tasks=self._conversion_tasks(chunks)))
 
     def export_rows(self, chunks: list) -> RowExport | None:
         if not holds_every_weight(chunks) or self._peft is not None:  # merged adapters are computed, not moved
