@@ -56,7 +56,9 @@ def _env_check(args) -> int:
 def _convert(args) -> int:
     from rlkit.launch.run import export_hf
 
-    print(f"HF checkpoint written to {export_hf(Path(args.checkpoint), Path(args.out))}")
+    out = export_hf(Path(args.checkpoint), Path(args.out), args.merged)
+    kind = "HF PEFT adapter" if (out / "adapter_config.json").is_file() else "HF checkpoint"
+    print(f"{kind} written to {out}")
     return 0
 
 
@@ -93,9 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     env_check.add_argument("--kwargs", default="{}",
                            help="JSON object of constructor arguments (a recipe's env.* keys)")
     env_check.add_argument("--timeout-s", type=float, default=10.0, help="per-call timeout")
-    convert = commands.add_parser("convert", help="export HF weights from a checkpoint")
+    convert = commands.add_parser("convert", help="export HF weights (or a policy.peft run's HF PEFT adapter) from a "
+                                                  "checkpoint")
     convert.add_argument("checkpoint", help="a checkpoint directory (.../checkpoints/step_NNNNNN)")
-    convert.add_argument("out", help="directory for the HF checkpoint")
+    convert.add_argument("out", help="directory for the HF checkpoint or adapter")
+    convert.add_argument("--merged", action="store_true",
+                         help="policy.peft runs: the base with the adapters merged in, instead of the adapter")
     pretrained = commands.add_parser("pretrained", help="materialize a pretrained model into the cache, print its path")
     pretrained.add_argument("model", choices=["smollm2-135m-instruct"], help="which model")
     pretrained.add_argument("--cache-dir", default=".rlkit_cache", help="cache directory (a recipe's run.cache_dir)")

@@ -74,8 +74,14 @@ class ModelBridge(ABC):
     def save_hf_weights(self, chunks: list, out_dir: str):
         """The chunks' weights as an HF safetensors checkpoint in out_dir. Collective."""
 
+    def checkpointed_state(self, model) -> dict:
+        """The unwrapped model chunk's sharded state dict as a distributed checkpoint holds it:
+        every weight, or with adapters the adapters alone (the frozen base is the HF checkpoint
+        it was loaded from)."""
+        return model.sharded_state_dict()
+
     def load_model_state(self, model, state: dict):
-        """A distributed checkpoint's model state (as model.sharded_state_dict() laid it out) into
+        """A distributed checkpoint's model state (as checkpointed_state laid it out, loaded) into
         the unwrapped model chunk."""
         model.load_state_dict(state)
 
@@ -85,6 +91,11 @@ class ModelBridge(ABC):
 
     def adapters_disabled(self, chunks: list):
         """A context in which the chunks compute without their adapters: the base model."""
+        raise NotImplementedError(f"{type(self).__name__} builds no adapters")
+
+    def load_adapter_checkpoint(self, chunks: list, checkpoint_dir: str):
+        """The adapters of a distributed adapter checkpoint (a policy.peft run's policy/ folder),
+        saved at any TP/PP. Collective."""
         raise NotImplementedError(f"{type(self).__name__} builds no adapters")
 
     def restart_adapters(self, chunks: list):

@@ -1,8 +1,12 @@
 """policy.peft: which linear layers get LoRA adapters, in HF's names (q_proj, ..., down_proj), and
-the Megatron modules those are. Pure: checked at config load, used by the backend at build.
+the Megatron modules those are (checked at config load, used by the backend at build); and the HF
+PEFT adapter directory that HF peft and vLLM load.
 
 Megatron fuses q/k/v into one linear_qkv and gate/up into one linear_fc1, and Megatron-Bridge's
 LoRA puts one adapter on a fused layer: the fused names must be asked for together."""
+
+import json
+from pathlib import Path
 
 from rlkit.config.schema import ConfigError, PeftConfig
 
@@ -52,3 +56,21 @@ def check_peft(peft: PeftConfig | None, bridge: str) -> None:
     if not 0 <= peft.dropout < 1:
         raise ConfigError(f"policy.peft.dropout: must lie in [0, 1) (got: {peft.dropout}); e.g. 0.0")
     megatron_target_modules(peft.target_modules)
+
+
+def write_hf_peft_adapter(out_dir: str, adapters: dict, peft: PeftConfig, base_model: str) -> None:
+    """An HF PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) of `adapters`,
+    named as the bridge exports them (<HF module>.lora_A.weight / .lora_B.weight), over the HF
+    checkpoint base_model."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # cloned: a fused layer's A is one tensor under each of its HF modules' names
+    save_file({f"base_model.model.{name}": tensor.detach().cpu().clone() for name, tensor in adapters.items()},
+              out / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+              "r": peft.rank, "lora_alpha": peft.alpha, "lora_dropout": peft.dropout,
+              "target_modules": sorted(peft.target_modules), "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1))

@@ -20,8 +20,9 @@ from rlkit.bridge import ModelBridge, check_bridge_supports
 from rlkit.bridge.common import (RL_MODEL_SETTINGS, RowExport, core_attention, head_hooks, holds_every_weight,
                                  local_layer_spec, probe_rows, router_gemm_without_te, unwrap, without_grad)
 from rlkit.bridge.megatron_bridge_compat import auto_bridge
-from rlkit.bridge.megatron_bridge_integration import (configure_provider, create_ddp_config, create_peft,
-                                                      create_peft_hook, load_adapted_model_state)
+from rlkit.bridge.megatron_bridge_integration import (adapter_state, configure_provider, create_ddp_config,
+                                                      create_peft, create_peft_hook, load_adapter_state,
+                                                      load_peft_adapter_checkpoint)
 from rlkit.config.schema import ConfigError, PeftConfig
 
 
@@ -75,10 +76,18 @@ class MegatronBridge(ModelBridge):
     def adapters_disabled(self, chunks: list):
         return self._peft.disable_adapter(chunks)
 
+    def checkpointed_state(self, model) -> dict:
+        state = model.sharded_state_dict()
+        return state if self._peft is None else adapter_state(state)
+
     def load_model_state(self, model, state: dict):
         if self._peft is None:
             return super().load_model_state(model, state)
-        load_adapted_model_state(model, state)
+        load_adapter_state(model, state)
+
+    def load_adapter_checkpoint(self, chunks: list, checkpoint_dir: str):
+        for chunk in chunks:
+            load_peft_adapter_checkpoint(unwrap(chunk), checkpoint_dir)
 
     def restart_adapters(self, chunks: list):
         # LoRA's B matrices (linear_out), zero as at creation: the adapters add nothing

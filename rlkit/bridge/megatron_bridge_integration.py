@@ -1,7 +1,8 @@
 """Megatron-Bridge as a library inside rlkit's own training loop: the few steps of its setup that an
 external trainer takes over (provider configuration, PEFT creation, the PEFT pre-wrap hook, the DDP
-config), written on Megatron-Bridge 0.3.1's primitives. rlkit owns rollouts, the loop and
-checkpoints; these functions only build the model the way the bridge expects it built."""
+config, adapter checkpoints), written on Megatron-Bridge 0.3.1's primitives. rlkit owns rollouts,
+the loop and checkpoints; these functions only build the model the way the bridge expects it built
+and move its adapters in and out of checkpoints."""
 
 from typing import Callable
 
@@ -61,17 +62,26 @@ def create_ddp_config(use_distributed_optimizer: bool):
     return DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer)
 
 
-def load_adapted_model_state(model, state: dict):
-    """A distributed checkpoint's model state into a model with adapters. The checkpoint keeps each
-    wrapped layer's own weights under the layer's name (AdapterWrapper.sharded_state_dict and
-    state_dict), its adapter's under <layer>.adapter.; load_state_dict expects the wrapped layer's
-    under <layer>.to_wrap.<name>. Strict: every weight, base and adapter, is restored."""
-    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+def adapter_state(sharded_state_dict: dict) -> dict:
+    """The adapters' entries of a model's sharded state dict: what an adapter checkpoint holds. The
+    frozen base stays in the HF checkpoint it was loaded from (the caller records which)."""
+    return {key: value for key, value in sharded_state_dict.items() if ".adapter." in key}
 
-    wrappers = {name for name, module in model.named_modules() if isinstance(module, AdapterWrapper)}
 
-    def module_key(key: str) -> str:
-        owner, _, leaf = key.rpartition(".")
-        return f"{owner}.to_wrap.{leaf}" if owner in wrappers else key
+def load_adapter_state(model, state: dict):
+    """An adapter checkpoint's model state (adapter_state's entries, loaded) into a model with
+    adapters: every adapter weight is restored, nothing else is touched."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    unrestored = [key for key in missing if ".adapter." in key]
+    if unrestored or unexpected:
+        raise RuntimeError(f"the adapter checkpoint does not match the model's adapters: missing {unrestored[:3]}, "
+                           f"unexpected {unexpected[:3]} (another policy.peft.rank or target_modules?)")
 
-    model.load_state_dict({module_key(key): value for key, value in state.items()})
+
+def load_peft_adapter_checkpoint(model, checkpoint_dir: str):
+    """The adapters of a Megatron distributed adapter checkpoint (saved from adapter_state) into
+    the unwrapped model chunk, whatever TP/PP it was saved at. Collective."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": adapter_state(model.sharded_state_dict())}, checkpoint_dir)
+    load_adapter_state(model, loaded["model"])

@@ -146,6 +146,9 @@ class ModelWorkers:
     def save_hf(self, out_dir: str):
         self.workers.every_rank(Model.save_hf, out_dir)
 
+    def save_peft_adapter(self, out_dir: str):
+        self.workers.every_rank(Model.save_peft_adapter, out_dir)
+
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """Collective; the answer lives on rank 0."""
         return self.workers.every_rank(Model.export_hf_weights)[0]

@@ -53,6 +53,8 @@ class PeftConfig:
     alpha: float = MISSING
     dropout: float = MISSING
     target_modules: list[str] = MISSING
+    # a policy.peft run's checkpoint (.../checkpoints/step_N) whose adapters this run starts from
+    init_from: Optional[str] = None
 
 
 @dataclass

@@ -212,6 +212,9 @@ def validate(cfg: RootConfig) -> None:
     _validate_context_parallel(p, shape.experts)
     _validate_bridge(p)
     check_peft(p.peft, p.bridge)
+    if p.peft is not None and p.peft.init_from is not None and not (Path(p.peft.init_from) / "policy").is_dir():
+        raise ConfigError(f"policy.peft.init_from: {p.peft.init_from} is not a checkpoint (no policy/ folder in it); "
+                          f"give a policy.peft run's .../checkpoints/step_N, or null")
     if algorithm.rollouts:
         _validate_rollout_transport(cfg)
     _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))

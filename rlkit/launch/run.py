@@ -26,6 +26,7 @@ from rlkit.models.tokenizer import load_tokenizer
 from rlkit.observability.logprob_agreement import logprob_error
 from rlkit.observability.metrics import MetricsLogger, read_history
 from rlkit.cluster.refit_driver import RefitDriver
+from rlkit.workers.policy.adapter_base import check_base, recorded_base, weights_digest
 
 log = logging.getLogger("rlkit")
 
@@ -69,6 +70,10 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
         finally:
             warm_workers.shutdown(keep_ray_logs=_failing())
         start_dir, warm_dir = warm_dir, None
+    if resume_from is not None:
+        check_base(resume_from / "policy", str(start_dir), cfg.policy.peft is not None, "checkpoint.resume")
+    elif cfg.policy.peft is not None and cfg.policy.peft.init_from is not None:
+        check_base(Path(cfg.policy.peft.init_from) / "policy", str(start_dir), True, "policy.peft.init_from")
     workers = start_workers(cfg, str(start_dir), with_generation=algorithm.rollouts, with_critic=algorithm.critic)
     logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state_step)
     trainer = None
@@ -131,15 +136,26 @@ def check_expert_layout(cfg: RootConfig, saved: DictConfig, checkpoint_dir: Path
                           f"(rlkit convert) and start a new run from them")
 
 
-def export_hf(checkpoint_dir: Path, out_dir: Path) -> Path:
-    """`rlkit convert`: HF weights (with config and tokenizer) from a checkpoint of either format.
-    The policy is rebuilt as the run had it (its saved config), loads the checkpoint and writes
-    through the bridge; no offline converter."""
+def export_hf(checkpoint_dir: Path, out_dir: Path, merged: bool = False) -> Path:
+    """`rlkit convert`: HF weights (with config and tokenizer) from a checkpoint of either format;
+    from an adapter checkpoint (policy.peft) an HF PEFT adapter directory over the base it was
+    trained on, or with `merged` that base with the adapters merged in. The policy is rebuilt as
+    the run had it (its saved config), loads the checkpoint and writes through the bridge; no
+    offline converter."""
     cfg = to_typed(OmegaConf.load(checkpoint_dir / "config.yaml"))
-    workers = start_workers(cfg, str(resolve_model_dir(cfg)), with_generation=False)
+    base = recorded_base(checkpoint_dir / "policy")
+    if merged and base is None:
+        raise ConfigError(f"--merged: {checkpoint_dir} holds every weight of the policy (it was trained without "
+                          f"policy.peft), so there are no adapters to merge; convert it without --merged")
+    model_dir = resolve_model_dir(cfg) if base is None else Path(base)
+    check_base(checkpoint_dir / "policy", str(model_dir), base is not None, "rlkit convert")
+    workers = start_workers(cfg, str(model_dir), with_generation=False)
     try:
         workers.policy.load_checkpoint(str(checkpoint_dir), cfg.checkpoint.save_format)
-        workers.policy.save_hf(str(out_dir))
+        if base is None or merged:
+            workers.policy.save_hf(str(out_dir))
+        else:
+            workers.policy.save_peft_adapter(str(out_dir))
     finally:
         workers.shutdown(keep_ray_logs=_failing())
     return out_dir

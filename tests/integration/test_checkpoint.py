@@ -1,6 +1,7 @@
 """Checkpoints: a run killed with SIGKILL at any moment resumes to exactly the metrics of an
-uninterrupted run; dist checkpoints load into another TP layout; HF export; a dead worker is a
-clear error naming it and the step, and the last checkpoint still resumes."""
+uninterrupted run, a LoRA run from checkpoints of its adapters alone; dist checkpoints load into
+another TP layout; HF export (a LoRA run's as an HF PEFT adapter); a dead worker is a clear error
+naming it and the step, and the last checkpoint still resumes."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -38,8 +40,8 @@ def compared(metrics_file) -> dict[int, dict]:
                         and k != "refit/buckets"} for r in rows}
 
 
-def train_command(out_dir, cache_dir, *extra):
-    return [sys.executable, "-m", "rlkit.cli", "train", "--config-name", "grpo_tiny_cpu", *RUN,
+def train_command(out_dir, cache_dir, *extra, recipe="grpo_tiny_cpu"):
+    return [sys.executable, "-m", "rlkit.cli", "train", "--config-name", recipe, *RUN,
             f"run.output_dir={out_dir}", f"run.cache_dir={cache_dir}", *extra]
 
 
@@ -122,6 +124,47 @@ def test_dist_checkpoint_loads_into_another_tensor_parallel_size(ray_cluster, ma
         finally:
             workers.shutdown()
     assert (saved["tp1"] - saved["tp2"]).abs().max().item() < 1e-5
+
+
+def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpoints(ray_cluster, tmp_path_factory,
+                                                                                     cache_dir):
+    """grpo_tiny_lora_cpu killed after step 3 and started again ends with exactly the metrics of the
+    same run uninterrupted: its checkpoints hold the adapters and their optimizer state, and the base
+    is the cached warm start they record. `rlkit convert` turns the last one into an HF PEFT
+    adapter that peft loads over that base, and with --merged into the merged model."""
+    from peft import PeftModel
+
+    uninterrupted, killed = tmp_path_factory.mktemp("lora_uninterrupted"), tmp_path_factory.mktemp("lora_killed")
+    cfg, resolved = load_config("grpo_tiny_lora_cpu", [*RUN, f"run.output_dir={uninterrupted}",
+                                                       f"run.cache_dir={cache_dir}"])
+    train(cfg, resolved)
+    reference = compared(uninterrupted / "grpo_tiny_lora_cpu" / "metrics.jsonl")
+    assert all(reference[step]["train/grad_norm"] > 0 for step in range(1, 7))
+    run_dir = killed / "grpo_tiny_lora_cpu"
+    command = train_command(killed, cache_dir, recipe="grpo_tiny_lora_cpu")
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    kill_when(process, lambda: steps_logged(run_dir) >= 3, "after step 3")
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert compared(run_dir / "metrics.jsonl") == reference
+
+    last = run_dir / "checkpoints" / "step_000006"
+    base = json.loads((last / "policy" / "base.json").read_text())["hf_dir"]
+    base_bytes = sum(path.stat().st_size for path in Path(base).glob("*.safetensors"))
+    # a checkpoint of every weight holds the base and Adam's two moments of it: three times base_bytes
+    assert sum(path.stat().st_size for path in (last / "policy").rglob("*") if path.is_file()) < base_bytes / 2
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    for name, flags in [("adapter", []), ("merged", ["--merged"])]:
+        convert = subprocess.run([sys.executable, "-m", "rlkit.cli", "convert", str(last), str(killed / name), *flags],
+                                 capture_output=True, text=True, timeout=600)
+        assert convert.returncode == 0, convert.stderr[-3000:]
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), killed / "adapter").eval()
+        converted = {"adapter": peft_model(tokens).logits,
+                     "merged": AutoModelForCausalLM.from_pretrained(killed / "merged")(tokens).logits,
+                     "base": AutoModelForCausalLM.from_pretrained(base)(tokens).logits}
+    assert (converted["adapter"] - converted["merged"]).abs().max().item() < 1e-4
+    assert (converted["adapter"] - converted["base"]).abs().max().item() > 1e-3  # the adapters trained
 
 
 def test_distributed_optimizer_resumes_exactly(ray_cluster, make_cfg, tiny_qwen2, tmp_path):

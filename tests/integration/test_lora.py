@@ -4,9 +4,11 @@ adapter gradients equal HF `peft`'s (fp32, TP=1); the refit export is the base w
 merged, equal to peft's merge_and_unload(); the KL reference is the base with the adapters off (no
 second copy of the weights); a training step moves the adapters only, the base bit for bit
 untouched, and the optimizer holds state for the adapters alone; a reference saved from the
-adapted policy becomes its base without changing it; a distributed checkpoint restores every
-weight."""
+adapted policy becomes its base without changing it; a distributed checkpoint holds the adapters
+alone and restores them; the adapter written as an HF PEFT directory loads in peft with the
+policy's logprobs."""
 
+import json
 import socket
 
 import pytest
@@ -18,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.bridge.adapters import MEGATRON_LINEAR
 from rlkit.data.batch import Batch, batch_totals, supervised_batch
+from rlkit.workers.policy.adapter_base import weights_digest
 from rlkit.workers.policy.megatron import MegatronModelWorker
 
 pytestmark = pytest.mark.integration
@@ -178,16 +181,54 @@ def test_a_reference_saved_from_the_adapted_policy_becomes_its_base(worker, tmp_
     assert all(not param.any() for name, param in _adapters(worker).items() if ".linear_out." in name)
 
 
-def test_a_distributed_checkpoint_restores_base_and_adapters(worker, tmp_path):
-    """The checkpoint keeps a wrapped layer's weights under the layer's own name; loading puts them
-    back under the wrapper (strict: nothing left out)."""
+def test_an_adapter_checkpoint_holds_the_adapters_and_a_record_of_their_base(worker, tmp_path):
+    """A distributed checkpoint of a LoRA policy is the adapters alone and the base's digest: it
+    restores every adapter and leaves the frozen base to its HF checkpoint."""
     saved = {name: param.detach().clone() for name, param in worker.model[0].named_parameters()}
     worker.save_checkpoint(str(tmp_path), "dist")
+    record = json.loads((tmp_path / "policy" / "base.json").read_text())
+    assert record == {"hf_dir": worker.base_dir, "weights_sha256": weights_digest(worker.base_dir)}
+    written = sum(path.stat().st_size for path in (tmp_path / "policy").rglob("*") if path.is_file())
+    adapter_bytes = sum(param.numel() * param.element_size() for param in _adapters(worker).values())
+    base_bytes = sum(param.numel() * param.element_size() for name, param in saved.items() if ".adapter." not in name)
+    # the adapters with Adam's two moments, and file metadata: well under the base
+    assert 3 * adapter_bytes < written < 3 * adapter_bytes + base_bytes // 4
     with torch.no_grad():
         for param in worker.model[0].parameters():
             param.add_(1.0)
     worker.load_checkpoint(str(tmp_path), "dist")
-    assert [name for name, param in worker.model[0].named_parameters() if not torch.equal(param, saved[name])] == []
+    restored = dict(worker.model[0].named_parameters())
+    assert all(torch.equal(restored[name], saved[name]) for name in _adapters(worker))
+    # the base is not in the checkpoint: it kept the change
+    assert all(torch.equal(param, saved[name] + 1.0) for name, param in restored.items() if name not in _adapters(worker))
+    # policy.peft.init_from: the adapters alone, from the same folder
+    with torch.no_grad():
+        for param in _adapters(worker).values():
+            param.zero_()
+    worker.bridge.load_adapter_checkpoint(worker.model, str(tmp_path / "policy"))
+    assert all(torch.equal(param, saved[name]) for name, param in _adapters(worker).items())
+    with torch.no_grad():
+        for name, param in restored.items():
+            param.copy_(saved[name])
+
+
+def test_the_adapter_saved_as_hf_peft_loads_in_peft_with_the_policys_logits(worker, tmp_path, tokens):
+    """`rlkit convert`'s adapter directory: HF peft loads it over the base (its recorded path) and
+    computes the policy's logprobs; merged, it is the policy's merged export."""
+    from peft import PeftModel
+
+    worker.save_peft_adapter(str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == worker.base_dir and config["r"] == RANK
+    base = AutoModelForCausalLM.from_pretrained(worker.base_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(tokens).logits[:, :-1].float(), dim=-1)
+    expected = torch.nn.functional.pad(logprobs.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1), (1, 0))
+    assert (worker.forward(Batch({"input_ids": tokens})) - expected).abs().max().item() < TOLERANCE
+    merged = model.merge_and_unload().state_dict()
+    for name, tensor in worker.export_hf_weights().items():
+        assert (tensor - merged[name]).abs().max().item() < 1e-6, name
 
 
 def test_the_lora_recipe_warm_starts_every_weight_then_trains_adapters(ray_cluster, cache_dir, tmp_path):

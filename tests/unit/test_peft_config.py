@@ -43,6 +43,8 @@ def test_the_lora_recipe_loads_with_adapters_on_megatron_bridge():
                                                "'up_proj'] in one layer (linear_fc1)"),
     ("policy.peft.ranks=8", "policy.peft.ranks: unknown key"),
     ("checkpoint.save_format=hf", "checkpoint.save_format: hf saves the policy with its adapters merged"),
+    ("policy.peft.init_from=/nonexistent/step_000004", "policy.peft.init_from: /nonexistent/step_000004 is not a "
+                                                       "checkpoint (no policy/ folder in it)"),
 ], ids=lambda value: value if value.startswith(("policy.", "checkpoint.")) else "")
 def test_a_bad_peft_setting_is_one_error_naming_its_key(override, message):
     with pytest.raises(ConfigError) as error:

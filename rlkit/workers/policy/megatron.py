@@ -20,6 +20,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from rlkit.bridge.adapters import write_hf_peft_adapter
 from rlkit.bridge.context_parallel import gather_sequence, padded_length, positions_on_rank, share_of_rank
 from rlkit.config.schema import ConfigError, PolicyConfig
 from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
@@ -29,6 +30,7 @@ from rlkit.observability.logprob_agreement import agreement_sums, reference_kl_s
 from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.refit.sender import RefitSender, sending_half
 from rlkit.workers.policy import dist_checkpoint
+from rlkit.workers.policy.adapter_base import record_base, weights_digest
 from rlkit.workers.policy.offload import HostOffload, pinned_bandwidth
 from rlkit.workers.rendezvous import init_process_group
 
@@ -80,6 +82,8 @@ class MegatronModelWorker:
         from rlkit.bridge import open_bridge
 
         self.bf16, self.head = cfg.precision == "bf16", head
+        self.base_dir = model_dir  # the HF checkpoint under policy.peft's adapters (init_reference may replace it)
+        self._base_digest = None  # its weights_digest, taken at the first adapter checkpoint
         self.name = "policy" if head == "lm" else "critic"  # its folder in a checkpoint
         # policy.peft adapts the policy; PPO's critic trains all of its weights
         self.bridge = open_bridge(cfg.bridge, model_dir, torch.bfloat16 if self.bf16 else torch.float32,
@@ -91,6 +95,8 @@ class MegatronModelWorker:
             self.bridge.load_trunk_weights(self.model, self.bf16)
         else:
             self.bridge.load_hf_weights(self.model)
+            if cfg.peft is not None and cfg.peft.init_from is not None:
+                self.bridge.load_adapter_checkpoint(self.model, os.path.join(cfg.peft.init_from, self.name))
         self.offload = HostOffload(pin=ON_GPU)  # what sleep() moved off the GPU, in reused pinned buffers
         self.pinned_bandwidth = None  # GB/s each way, measured at the first sleep()
         self.refit_sender = RefitSender(self)  # this rank's half of refit (policy only)
@@ -166,9 +172,10 @@ class MegatronModelWorker:
         weights become the base and the adapters restart from nothing added, which leaves the
         policy as it was where hf_dir holds it merged (a warm start saved from this model)."""
         if self.bridge.has_adapters:
-            if os.path.realpath(hf_dir) != os.path.realpath(self.bridge.hf_dir):
+            if os.path.realpath(hf_dir) != os.path.realpath(self.base_dir):
                 self.bridge.load_hf_weights(self.model, hf_dir)
                 self.bridge.restart_adapters(self.model)
+                self.base_dir, self._base_digest = hf_dir, None
             self.reference_is_base = True
             return
         self.reference = self.bridge.build(bf16=self.bf16, wrap_with_ddp=False, fp32_lm_head=self.cfg.fp32_lm_head)
@@ -476,7 +483,6 @@ class MegatronModelWorker:
     def refit_stats(self) -> dict:
         return self.refit_sender.stats()
 
-    # ---- checkpoints ---------------------------------------------------------------------
     def _inner_model(self):
         module = self.model[0]
         while hasattr(module, "module"):  # DDP, Float16Module
@@ -491,7 +497,9 @@ class MegatronModelWorker:
 
     def save_checkpoint(self, ckpt_dir: str, save_format: str):
         """Weights, optimizer state and this rank's RNG into ckpt_dir. Collective.
-        dist: Megatron distributed checkpoint (reshardable to another TP/PP);
+        dist: Megatron distributed checkpoint (reshardable to another TP/PP); with adapters
+        (policy.peft) the adapters and their optimizer state alone, and a record of the base
+        (adapter_base.py);
         hf: weights through the bridge (loadable by transformers) + per-rank optimizer state."""
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -502,9 +510,12 @@ class MegatronModelWorker:
             os.makedirs(own_dir, exist_ok=True)
         dist.barrier()
         if save_format == "dist":
-            model_state = self._inner_model().sharded_state_dict()
+            model_state = self.bridge.checkpointed_state(self._inner_model())
             dist_checkpoint.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(
                 model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir)
+            if self.bridge.has_adapters and self.rank == 0:
+                self._base_digest = self._base_digest or weights_digest(self.base_dir)
+                record_base(own_dir, self.base_dir, self._base_digest)
         else:
             self.bridge.save_hf_weights(self.model, os.path.join(own_dir, "hf"))
             torch.save(optimizer.state_dict(), os.path.join(own_dir, f"optimizer_rank{self.rank}.pt"))
@@ -521,7 +532,7 @@ class MegatronModelWorker:
         optimizer = self._optimizer_ready()
         if save_format == "dist":
             _fill_empty_optimizer_states(optimizer)
-            model_state = self._inner_model().sharded_state_dict()
+            model_state = self.bridge.checkpointed_state(self._inner_model())
             loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer.sharded_state_dict(
                 model_state, is_loading=True, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir)
             self.bridge.load_model_state(self._inner_model(), loaded["model"])
@@ -552,6 +563,14 @@ class MegatronModelWorker:
             from transformers import AutoTokenizer
             self.bridge.hf_config.save_pretrained(out_dir)
             AutoTokenizer.from_pretrained(self.bridge.hf_dir).save_pretrained(out_dir)
+        dist.barrier()
+
+    def save_peft_adapter(self, out_dir: str):
+        """policy.peft's adapters as an HF PEFT directory over this policy's base. Collective."""
+        self.wake()
+        adapters = dict(self.bridge.export_adapter_weights(self.model))
+        if self.rank == 0:
+            write_hf_peft_adapter(out_dir, adapters, self.cfg.peft, self.base_dir)
         dist.barrier()
 
     def shutdown(self):
