@@ -3,7 +3,7 @@
 #   bash scripts/gpu_session.sh tests|tests-of <s> <pytest args>|refit-tests|bench|bench-7b|refit-bench|refit-bench-512|all    logs and JSON land in $OUT
 #   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (layer by layer, and the recipe's), GRPO run
 #   bash scripts/gpu_session.sh bridge-run <s> <mbridge|megatron_bridge> [overrides]    the SmolLM2 recipe on one bridge
-#   bash scripts/gpu_session.sh lora-run <s> [overrides]    the same with LoRA rank 16 on every linear layer (merged refit)
+#   bash scripts/gpu_session.sh lora-run <s> [overrides]    the same with LoRA rank 16 on every linear layer (merged refit; refit.peft=adapter moves the adapters alone)
 #   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> [train_mfu.py args]    issue 16's benchmarks
 #   bash scripts/gpu_session.sh e2e-verl [seconds] [e2e_verl.py args]    verl 0.9.1 on SmolLM2 from /tmp/site-verl (scripts/verl_stack.sh)
 #   bash scripts/gpu_session.sh async <s> <k,...> [async_grpo.py args]    issue 18: SmolLM2 GRPO, disaggregated on 2 GPUs, per

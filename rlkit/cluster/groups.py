@@ -181,6 +181,15 @@ class GenerationWorkers:
         """HF workers: their HF-named tensors (tests compare them bit for bit)."""
         return self.workers.every_rank(HFGenerationWorker.weights)
 
+    def adapter_weights(self) -> list[dict]:
+        """HF workers under refit.peft=adapter: their LoRA adapters (tests compare them bit for bit)."""
+        return self.workers.every_rank(HFGenerationWorker.adapter_weights)
+
+    def close(self, timeout_s: float = 5.0):
+        """Before the workers are killed: each removes what would outlive it (Engine.close). A
+        worker still busy or dead after timeout_s is killed as it is."""
+        ray.wait(self.workers.submit(Engine.close), num_returns=len(self.workers), timeout=timeout_s)
+
     def weight_checksums(self) -> list[dict]:
         return self.workers.every_rank(Engine.weight_checksums)
 

@@ -15,19 +15,29 @@ The GPU transports start, once, a standing receiver in each vLLM engine process
 rlkit/refit/sender.py), which starts it on its channel and returns every receiver's report.
 Waits inside a refit are bounded by half of cluster.call_timeout_s, so a dead or stuck peer is
 named by the side that waited for it before the controller's own wait runs out.
+
+With policy.peft and refit.peft=adapter there is no plan and no transport: every refit is an
+  AdapterTransfer  policy rank 0 exports the LoRA adapters alone, the controller puts them into
+                   Ray's object store once, and each generation worker applies them over the base
+                   it loaded itself (HF peft on CPU, a vLLM LoRA adapter on GPU)
 """
 
 import time
+
+import ray
 
 from rlkit.cluster.groups import GenerationWorkers, ModelWorkers
 from rlkit.cluster.worker_group import rendezvous_address
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.refit.plan import RefitPlan
+from rlkit.workers.generation.base import GenerationWorker
 from rlkit.workers.generation.hf import HFGenerationWorker
 from rlkit.workers.generation.vllm import VLLMGenerationWorker
 from rlkit.workers.policy.megatron import MegatronModelWorker as Policy
 
 TRANSPORTS = ("cpu", "cuda_ipc", "nccl")
+# refit.peft: what a policy.peft run's refit moves
+PEFT_MODES = ("merged", "adapter")
 
 
 class RefitDriver:
@@ -36,6 +46,9 @@ class RefitDriver:
         """sleepers: the models that leave the GPU to a colocated vLLM while it generates."""
         self.policy, self.generation, self.sleepers = policy, generation, sleepers
         self.verify = cfg.refit.verify_checksums
+        if cfg.refit.peft == "adapter":  # the base weights never move: no plan, no transport
+            self.plan, self.transfer = None, AdapterTransfer(policy, generation, cfg.generation.precision)
+            return
         self.manifest = policy.workers.every_rank(Policy.refit_manifest)[0]  # (HF name, shape, dtype) in export order
         self.plan = RefitPlan.build(self.manifest, int(cfg.refit.bucket_mb * 2**20),
                                     transfer_dtype="bfloat16" if cfg.generation.precision == "bf16" else None,
@@ -47,7 +60,7 @@ class RefitDriver:
         """The policy's current weights into every generation worker; its metrics. The caller
         says when: after training changed them, or a checkpoint load."""
         self.generation.wake("weights")
-        return self.transfer(self.plan, self.verify)
+        return self.transfer() if self.plan is None else self.transfer(self.plan, self.verify)
 
     def hand_over(self) -> dict:
         """Before generating: (colocated on GPU) the trained models sleep, and the engines wake
@@ -72,12 +85,18 @@ class RefitDriver:
         return metrics
 
 
+def _throughput(nbytes: int, seconds: float) -> dict:
+    """Time, size and throughput of a whole refit (every mode reports these)."""
+    return {"timing/refit_transfer": seconds, "refit/bytes": nbytes,
+            "timing/refit_gbytes_per_s": nbytes / seconds / 1e9}
+
+
 def _metrics(plan: RefitPlan, seconds: float, sender: dict, received: list[dict]) -> dict:
-    """Time and throughput of the whole refit, the sender's share of it (policy rank 0's host
-    seconds in the export and in packing; the rest is transport and loading), whether the sender
-    copied parameter rows directly, and the generation workers' reports of their side (each
-    figure the lowest any of them gave, e.g. the share of its load that was replayed)."""
-    return {"timing/refit_transfer": seconds, "timing/refit_gbytes_per_s": plan.total_bytes / seconds / 1e9,
+    """_throughput, the sender's share of the time (policy rank 0's host seconds in the export and
+    in packing; the rest is transport and loading), whether the sender copied parameter rows
+    directly, and the generation workers' reports of their side (each figure the lowest any of
+    them gave, e.g. the share of its load that was replayed)."""
+    return {**_throughput(plan.total_bytes, seconds),
             "refit/buckets": len(plan.buckets), "timing/refit_export_host": sender["export"],
             "timing/refit_pack_host": sender["pack"], "refit/direct_export": float(sender["direct"]),
             **{key: min(report[key] for report in received) for key in received[0]}}
@@ -157,6 +176,23 @@ class NcclTransfer(_ChannelTransfer):
         address, = self.policy.only([0], Policy.open_refit_channel, "nccl", len(self.generation), timeout_s,
                                     channel_host)
         self._start_receivers("nccl", [address] * len(self.generation), timeout_s)
+
+
+class AdapterTransfer:
+    """refit.peft=adapter: only policy.peft's LoRA adapters move, a few MB where the merged refit
+    moves the whole model. Every policy rank joins the bridge's collective adapter export; rank 0
+    returns them (HF PEFT names, CPU, the generation precision), the controller puts them into Ray's
+    object store once, and every generation worker applies that one object over its own base."""
+
+    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, precision: str):
+        self.policy, self.generation = policy.workers, generation.workers
+        self.dtype = "bfloat16" if precision == "bf16" else "float32"
+
+    def __call__(self) -> dict:
+        start = time.perf_counter()
+        adapters = self.policy.every_rank(Policy.export_refit_adapters, self.dtype)[0]
+        self.generation.every_rank(GenerationWorker.load_adapters, ray.put(adapters))
+        return _throughput(sum(t.numel() * t.element_size() for t in adapters.values()), time.perf_counter() - start)
 
 
 def _check_one_node(policy, generation) -> None:

@@ -30,6 +30,8 @@ class RunWorkers:
     critic: ModelWorkers | None = None  # PPO: added by start_critic
 
     def shutdown(self, keep_ray_logs: bool = False):
+        if self.generation is not None:
+            self.generation.close()
         for group in (self.policy, self.generation, self.critic):
             if group is not None:
                 group.workers.kill()
@@ -39,14 +41,16 @@ class RunWorkers:
 
 
 def _generation_worker(cfg: RootConfig, model_dir: str) -> tuple[type, Callable[[int], dict]]:
+    # refit.peft=adapter: the workers load model_dir's real weights, with LoRA of their own for the refits to set
+    adapter = cfg.policy.peft if cfg.refit.peft == "adapter" else None
     if cfg.generation.backend == "vllm":
         from rlkit.workers.generation.vllm import VLLMGenerationWorker
         return VLLMGenerationWorker, lambda rank: dict(model_dir=model_dir, cfg=cfg.generation, seed=cfg.run.seed,
                                                        rank=rank, sleep_mode=cfg.cluster.placement == "colocated",
-                                                       fp32_lm_head=cfg.policy.fp32_lm_head)
+                                                       fp32_lm_head=cfg.policy.fp32_lm_head, adapter=adapter)
     from rlkit.workers.generation.hf import HFGenerationWorker
     return HFGenerationWorker, lambda rank: dict(model_dir=model_dir, precision=cfg.generation.precision,
-                                                 threads=cfg.cluster.threads_per_worker, rank=rank)
+                                                 threads=cfg.cluster.threads_per_worker, rank=rank, adapter=adapter)
 
 
 def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,

@@ -4,6 +4,7 @@ then that the run's directories can be written, and last that the run can do som
 (rlkit/launch/preflight.py). Every problem is one ConfigError line: `key: problem (got: value); fix`."""
 
 import difflib
+import importlib.util
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports
 from rlkit.bridge.adapters import check_peft
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.cluster.refit_driver import TRANSPORTS
+from rlkit.cluster.refit_driver import PEFT_MODES, TRANSPORTS
 from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig
 from rlkit.envs.base import check_environment_config
 from rlkit.launch.preflight import check_config
@@ -217,6 +218,7 @@ def validate(cfg: RootConfig) -> None:
                           f"give a policy.peft run's .../checkpoints/step_N, or null")
     if algorithm.rollouts:
         _validate_rollout_transport(cfg)
+        _validate_adapter_refit(cfg)
     _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
     if cfg.checkpoint.save_format == "hf" and p.use_distributed_optimizer:
         raise ConfigError("checkpoint.save_format: hf keeps per-rank optimizer state, which the distributed optimizer "
@@ -344,6 +346,7 @@ def _validate_rollout_choices(cfg: RootConfig) -> None:
     _choice("generation.backend", cfg.generation.backend, ("hf", "vllm"))
     _choice("refit.transport", cfg.refit.transport, TRANSPORTS)
     _choice("refit.channel_host", cfg.refit.channel_host, ("loopback", "node_ip"))
+    _choice("refit.peft", cfg.refit.peft, PEFT_MODES)
     r = cfg.env_runner  # before the algorithm's checks, which compute the response budget from these
     _positive(("env_runner.num_workers", r.num_workers), ("env_runner.max_turns", r.max_turns),
               ("env_runner.max_total_tokens", r.max_total_tokens))
@@ -373,6 +376,18 @@ def _validate_rollout_transport(cfg: RootConfig) -> None:
                           "different GPUs); use refit=cuda_ipc when colocated")
     if cfg.refit.bucket_mb <= 0:
         raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb}); e.g. 512 on GPUs")
+
+
+def _validate_adapter_refit(cfg: RootConfig) -> None:
+    """refit.peft=adapter moves policy.peft's adapters, which the HF workers apply with HF peft."""
+    if cfg.refit.peft != "adapter":
+        return
+    if cfg.policy.peft is None:
+        raise ConfigError("refit.peft: adapter sends the policy's LoRA adapters alone, and policy.peft is null (the "
+                          "policy trains every weight); set refit.peft=merged, or set policy.peft (README \"LoRA\")")
+    if cfg.generation.backend == "hf" and importlib.util.find_spec("peft") is None:
+        raise ConfigError("refit.peft: adapter on generation.backend=hf applies the adapters with HF peft, which is "
+                          "not installed; pip install 'peft>=0.18,<0.19', or set refit.peft=merged")
 
 
 def _validate_environment(cfg: RootConfig) -> None:

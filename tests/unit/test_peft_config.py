@@ -65,3 +65,31 @@ def test_the_peft_object_is_megatron_bridges_lora_on_the_megatron_layers():
                                   target_modules=["down_proj", "q_proj", "k_proj", "v_proj"]))
     assert type(lora).__module__ == "megatron.bridge.peft.lora" and type(lora).__name__ == "LoRA"
     assert (lora.target_modules, lora.dim, lora.alpha, lora.dropout) == (["linear_qkv", "linear_fc2"], 8, 16.0, 0.05)
+
+
+def test_refit_merges_the_adapters_unless_told_to_send_them_alone():
+    assert load_config(RECIPE, [])[0].refit.peft == "merged"
+    assert load_config(RECIPE, ["refit.peft=adapter"])[0].refit.peft == "adapter"
+
+
+@pytest.mark.parametrize("recipe, overrides, message", [
+    (RECIPE, ["refit.peft=lora"], "refit.peft: must be one of ['merged', 'adapter'] (got: 'lora'); pick one"),
+    ("grpo_tiny_cpu", ["refit.peft=adapter"], "refit.peft: adapter sends the policy's LoRA adapters alone, and "
+                                              "policy.peft is null (the policy trains every weight); set "
+                                              "refit.peft=merged, or set policy.peft"),
+], ids=["unknown-mode", "adapter-without-peft"])
+def test_a_bad_refit_peft_setting_is_one_error_naming_its_key(recipe, overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(recipe, overrides)
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_adapter_refit_on_hf_workers_needs_peft_installed(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "peft" else find_spec(name, *args))
+    with pytest.raises(ConfigError, match=r"^refit.peft: adapter on generation.backend=hf applies the adapters with "
+                                          r"HF peft, which is not installed; pip install"):
+        load_config(RECIPE, ["refit.peft=adapter"])

@@ -1,6 +1,8 @@
 """The generation interface. HF transformers implements it for CPU; vLLM for GPUs. How weights
 arrive differs per backend and lives in rlkit/refit/receiver.py: HF workers host an
-ObjectStoreReceiver, vLLM engines a StandingReceiver in each of their processes."""
+ObjectStoreReceiver, vLLM engines a StandingReceiver in each of their processes. With
+refit.peft=adapter a worker instead loads the real base weights itself, with LoRA on
+policy.peft's modules, and each refit hands it the adapters alone (load_adapters)."""
 
 from abc import ABC, abstractmethod
 
@@ -10,6 +12,12 @@ from rlkit.data.generation import Generations, SamplingParams
 class GenerationWorker(ABC):
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations: ...
+
+    @abstractmethod
+    def load_adapters(self, adapters: dict) -> None:
+        """refit.peft=adapter: the policy's LoRA adapters ({HF PEFT name: tensor}, as
+        MegatronModelWorker.export_refit_adapters gives them) replace this worker's, every one
+        of them consumed and none missing."""
 
     @abstractmethod
     def weight_checksums(self) -> dict[str, int]:
@@ -23,3 +31,7 @@ class GenerationWorker(ABC):
     def wake(self, part: str = "all") -> None:
         """part="weights" restores only the weights (for a refit while the policy still holds
         its memory); "all" also the KV cache."""
+
+    def close(self) -> None:
+        """Just before the worker is killed (ray.kill runs no cleanup inside an actor): remove what
+        would outlive its process, e.g. files."""

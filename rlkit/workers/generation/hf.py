@@ -2,31 +2,36 @@
 
 import torch
 
+from rlkit.config.schema import PeftConfig
 from rlkit.data.generation import Generations, SamplingParams
 from rlkit.models.checkpoint_names import checkpoint_tensors
 from rlkit.models.tokenizer import load_tokenizer
-from rlkit.refit.plan import PackedBucket, RefitPlan, bucket_checksum
+from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan, bucket_checksum
 from rlkit.refit.receiver import ObjectStoreReceiver
 from rlkit.workers.generation.base import GenerationWorker
 
 
 class HFGenerationWorker(GenerationWorker):
     """Holds an HF model built from the checkpoint's config with random weights: real weights
-    arrive only through refit, so a refit that misses a tensor is caught, not masked."""
+    arrive only through refit, so a refit that misses a tensor is caught, not masked. With
+    `adapter` (policy.peft under refit.peft=adapter) it holds the checkpoint's real weights
+    under HF peft's LoRA instead, and refits set the adapters alone."""
 
-    def __init__(self, model_dir: str, precision: str, threads: int, rank: int):
+    def __init__(self, model_dir: str, precision: str, threads: int, rank: int, adapter: PeftConfig | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         torch.set_num_threads(threads)
-        self.rank = rank
+        self.rank, self.name = rank, f"generation worker {rank}"
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype) \
+            if adapter is None else AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         tokenizer = load_tokenizer(model_dir)
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         # the checkpoint's tensors under its names, as the exporter sends them (persistent buffers such as an
-        # expert bias included, fused MoE experts as views, tied weights once)
-        self._tensors = checkpoint_tensors(self.model)
-        self.receiver = ObjectStoreReceiver(self._tensors, f"generation worker {rank}")
+        # expert bias included, fused MoE experts as views, tied weights once); peft's LoRA layers wrap these
+        self._tensors = checkpoint_tensors(base)
+        self.receiver = ObjectStoreReceiver(self._tensors, self.name) if adapter is None else None
+        self.model = (base if adapter is None else _with_lora(base, adapter)).eval()
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations:
@@ -66,6 +71,23 @@ class HFGenerationWorker(GenerationWorker):
     def end_refit(self) -> dict:
         return self.receiver.end()
 
+    # refit.peft=adapter: the adapters alone, one Ray call (rlkit/cluster/refit_driver.py AdapterTransfer)
+    def load_adapters(self, adapters: dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        loaded = set_peft_model_state_dict(self.model, {PEFT_PREFIX + name: t for name, t in adapters.items()})
+        missing = [key for key in loaded.missing_keys if ".lora_" in key]  # the base is not in the state set
+        if missing or loaded.unexpected_keys:
+            raise RefitIntegrityError(f"refit.peft=adapter: the policy's adapters do not match {self.name}'s LoRA: "
+                                      f"missing {missing[:3]}, unexpected {loaded.unexpected_keys[:3]}")
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The adapters as this worker holds them, named as load_adapters takes them (tests)."""
+        from peft import get_peft_model_state_dict
+
+        return {name.removeprefix(PEFT_PREFIX): t.detach().clone()
+                for name, t in get_peft_model_state_dict(self.model).items()}
+
     def weights(self) -> dict:
         """HF-named tensors as this worker holds them (tests compare them bit for bit)."""
         return {n: p.detach().clone() for n, p in self._tensors.items()}
@@ -78,3 +100,17 @@ class HFGenerationWorker(GenerationWorker):
 
     def wake(self, part: str = "all") -> None:
         pass
+
+
+# HF peft's state-dict names are the HF model's under this prefix (a PeftModel wraps the model twice)
+PEFT_PREFIX = "base_model.model."
+
+
+def _with_lora(model, peft: PeftConfig):
+    """The model under HF peft's LoRA on policy.peft's modules, computing as the policy does:
+    alpha / rank scaling, no dropout at inference, adapters in the model's dtype (peft's default
+    would compute bf16 models' adapters in fp32). Refits set the adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=peft.rank, lora_alpha=peft.alpha, lora_dropout=0.0,
+                                            target_modules=list(peft.target_modules)), autocast_adapter_dtype=False)

@@ -5,26 +5,36 @@ token under the distribution it was sampled from, after temperature (and top-k/t
 rlkit's recipes leave off). The trainer computes log_softmax(logits / temperature) over the full
 vocabulary, so with top_p=1 and top_k off the two describe the same distribution; with top-k/p
 on they would differ by the truncation, which is why the recipes keep them off for RL.
+
+refit.peft=adapter: the engine loads the checkpoint's real weights with LoRA enabled, and each
+refit writes the policy's adapters as an HF PEFT adapter directory (vLLM loads adapters from files
+only) that every generate() after it names in its LoRARequest.
 """
 
 import os
 import pickle
+import shutil
+import tempfile
 import threading
 import time
 
 import ray
+import torch
 
-from rlkit.config.schema import GenerationConfig
+from rlkit.bridge.adapters import write_hf_peft_adapter
+from rlkit.config.schema import ConfigError, GenerationConfig, PeftConfig
 from rlkit.data.generation import Generations, SamplingParams
 from rlkit.workers.generation.base import GenerationWorker
 from rlkit.workers.rendezvous import use_interface_of
 
 
 class VLLMGenerationWorker(GenerationWorker):
-    """Starts with dummy weights: real weights arrive only through refit."""
+    """Starts with dummy weights: real weights arrive only through refit. With `adapter`
+    (policy.peft under refit.peft=adapter) it starts from the checkpoint's real weights, with LoRA
+    on, and refits bring the adapters alone."""
 
     def __init__(self, model_dir: str, cfg: GenerationConfig, seed: int, rank: int, sleep_mode: bool,
-                 fp32_lm_head: bool):
+                 fp32_lm_head: bool, adapter: PeftConfig | None = None):
         # the engine core is a separate process; IPC handles and plans travel by pickle
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -36,14 +46,24 @@ class VLLMGenerationWorker(GenerationWorker):
 
         v = cfg.vllm
         self.rank, self.sleep_mode, self.seed_per_request = rank, sleep_mode, v.seed_per_request
+        self.model_dir, self.adapter = model_dir, adapter
+        # LoRA on the adapted modules alone (q_proj etc. name vLLM's fused qkv_proj too): a LoRA
+        # wrapper on the LM head would add a kernel on every step's logits
+        lora = {} if adapter is None else dict(enable_lora=True, max_lora_rank=_max_lora_rank(adapter.rank),
+                                               max_loras=1, lora_target_modules=list(adapter.target_modules))
         self.llm = LLM(model=model_dir, tensor_parallel_size=v.tensor_parallel_size,
                        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
-                       enforce_eager=v.enforce_eager, seed=seed + rank, load_format="dummy",
+                       enforce_eager=v.enforce_eager, seed=seed + rank,
+                       load_format="dummy" if adapter is None else "auto",
                        dtype="bfloat16" if cfg.precision == "bf16" else "float32",
                        enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",
                        # logits as the policy computes them (policy.fp32_lm_head)
                        hf_overrides={"head_dtype": "float32"} if fp32_lm_head else None,
-                       worker_extension_cls="rlkit.workers.generation.vllm_ext.RefitExtension")
+                       worker_extension_cls="rlkit.workers.generation.vllm_ext.RefitExtension", **lora)
+        # refit.peft=adapter: the last refit's adapter (None: the base alone) and where each is written
+        self.lora_request = None
+        self.adapter_root = None if adapter is None else tempfile.mkdtemp(
+            prefix="rlkit-adapters-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)  # tmpfs where there is one
         self._watch_engine()
         self._asleep_tags: set[str] = set()
         # set by a refit, cleared by the next generate(): resetting there keeps an engine round
@@ -92,7 +112,7 @@ class VLLMGenerationWorker(GenerationWorker):
             self.llm.reset_prefix_cache()
             self._prefix_cache_stale = False
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sampling,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora_request)
         token_ids, logprobs = [], []
         for out in outputs:
             sample, flat = out.outputs[0], out.outputs[0].logprobs
@@ -116,6 +136,28 @@ class VLLMGenerationWorker(GenerationWorker):
         """A refit is under way (its bytes bypass this actor): the prefix cache is stale."""
         self._prefix_cache_stale = True
 
+    def load_adapters(self, adapters: dict[str, torch.Tensor]) -> None:
+        """A new adapter directory and LoRARequest (a new id: vLLM loads an id once and reuses it),
+        loaded into the engine now, so that a bad adapter (vLLM's loader refuses modules the model
+        does not have) fails the refit rather than the next generate(). The engine holds one
+        adapter (max_loras=1) and evicts the last one, whose directory goes too. The prefix cache
+        keys on the adapter's name: nothing computed under the old adapter is reused."""
+        from vllm.lora.request import LoRARequest
+
+        replaced = self.lora_request
+        version = 1 if replaced is None else replaced.lora_int_id + 1
+        path = os.path.join(self.adapter_root, f"refit-{version}")
+        write_hf_peft_adapter(path, adapters, self.adapter, self.model_dir)
+        request = LoRARequest(lora_name=f"rlkit-refit-{version}", lora_int_id=version, lora_path=path)
+        self.llm.llm_engine.add_lora(request)
+        self.lora_request = request
+        if replaced is not None:
+            shutil.rmtree(replaced.lora_path)
+
+    def close(self) -> None:
+        if self.adapter_root is not None:
+            shutil.rmtree(self.adapter_root, ignore_errors=True)
+
     def join_refit_communicator(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
         """nccl: this engine is rank 1 + its index in a communicator with policy rank 0."""
         self._rpc("rlkit_join_refit_communicator", host, port, world_size, 1 + self.rank, timeout_s)
@@ -134,3 +176,18 @@ class VLLMGenerationWorker(GenerationWorker):
             self.llm.wake_up(tags=tags)
             self._asleep_tags -= set(tags)
 
+
+
+def _max_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM takes (its own list) that holds a rank-`rank` adapter;
+    vLLM pads a smaller adapter to it and scales by the adapter's own alpha / rank."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    ranks = sorted(get_args(MaxLoRARanks))
+    fits = [r for r in ranks if r >= rank]
+    if not fits:
+        raise ConfigError(f"policy.peft.rank: vLLM serves LoRA adapters up to rank {ranks[-1]} (got: {rank}); lower "
+                          f"it, or use refit.peft=merged")
+    return fits[0]

@@ -483,6 +483,17 @@ class MegatronModelWorker:
     def refit_stats(self) -> dict:
         return self.refit_sender.stats()
 
+    def export_refit_adapters(self, dtype: str) -> dict[str, torch.Tensor] | None:
+        """refit.peft=adapter: policy.peft's adapters alone, {HF PEFT name (<HF module>.lora_A.weight,
+        .lora_B.weight): CPU tensor in `dtype`} on rank 0, None elsewhere. Collective."""
+        self.wake()
+        # copies: the export may hand out the parameters themselves, and a fused layer's A under
+        # each of its HF modules' names
+        adapters = {name: tensor.detach().to("cpu", getattr(torch, dtype), copy=True)
+                    for name, tensor in self.bridge.export_adapter_weights(self.model)}
+        return adapters if self.rank == 0 else None
+
+    # ---- checkpoints ---------------------------------------------------------------------
     def _inner_model(self):
         module = self.model[0]
         while hasattr(module, "module"):  # DDP, Float16Module
