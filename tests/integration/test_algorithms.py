@@ -71,3 +71,22 @@ def test_reinforce_pp_and_rloo_raise_the_reward(train, recipe):
     history = train(recipe, "algorithm.num_steps=30", "algorithm.val_every=30").history
     assert mean(history, "train/reward", slice(-10, None)) > mean(history, "train/reward", slice(0, 10)) + 0.05
     assert history[-1]["val/reward"] > history[0]["val/reward"]
+
+
+LORA = ["policy.bridge=megatron_bridge", "policy.peft={type: lora, rank: 8, alpha: 16, dropout: 0.0, "
+        "target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}", "policy.optimizer.lr=1e-3"]
+
+
+def test_sft_dpo_and_ppo_train_lora_adapters(train):
+    """policy.peft under each loss that is not GRPO's (whose LoRA recipe tests/integration/test_lora.py
+    runs): SFT's validation loss falls; DPO, whose reference is the warm start under the adapters
+    switched off, ranks held-out pairs above chance; PPO's actor trains its adapters beside a
+    critic that trains every weight."""
+    sft = train("sft_tiny_cpu", *LORA, "algorithm.num_steps=10", "run.name=sft_lora").history
+    assert sft[-1]["val/loss"] < 0.9 * sft[0]["val/loss"]
+    dpo = train("dpo_tiny_cpu", *LORA, "algorithm.num_steps=10", "algorithm.val_every=10", "run.name=dpo_lora").history
+    assert dpo[0]["val/reward_margin"] == 0.0  # the reference is the policy before its first step
+    assert dpo[-1]["val/reward_margin"] > 0 and dpo[-1]["val/preference_accuracy"] > 0.5
+    ppo = train("ppo_tiny_cpu", *LORA, "algorithm.num_steps=2", "algorithm.val_every=2", "run.name=ppo_lora").history
+    assert all(m["train/grad_norm"] > 0 and m["critic/value_loss"] > 0 for m in ppo[1:])
+    assert all(m["refit/logprob_abs_error_max"] < 1e-4 for m in ppo[1:])  # generation holds the merged adapters
