@@ -3,7 +3,7 @@
 #   bash scripts/gpu_session.sh tests|tests-of <s> <pytest args>|refit-tests|bench|bench-7b|refit-bench|refit-bench-512|all    logs and JSON land in $OUT
 #   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (layer by layer, and the recipe's), GRPO run
 #   bash scripts/gpu_session.sh bridge-run <s> <mbridge|megatron_bridge> [overrides]    the SmolLM2 recipe on one bridge
-#   bash scripts/gpu_session.sh lora-run <s> [overrides]    the same with LoRA rank 16 on every linear layer (merged refit; refit.peft=adapter moves the adapters alone)
+#   bash scripts/gpu_session.sh lora-run <s> <merged|adapter> [overrides]    the same with LoRA rank 16 on every linear layer; refit.peft as named
 #   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> [train_mfu.py args]    issue 16's benchmarks
 #   bash scripts/gpu_session.sh e2e-verl [seconds] [e2e_verl.py args]    verl 0.9.1 on SmolLM2 from /tmp/site-verl (scripts/verl_stack.sh)
 #   bash scripts/gpu_session.sh async <s> <k,...> [async_grpo.py args]    issue 18: SmolLM2 GRPO, disaggregated on 2 GPUs, per
@@ -34,6 +34,7 @@ e2e_verl() {  # the driver runs in rlkit's environment; verl in a subprocess on 
   cp /tmp/e2e_verl/verl.log "$OUT/verl_run.log" 2>/dev/null
   cp "$OUT/e2e_verl.json" /tmp/e2e_verl.json 2>/dev/null  # for a later call's `e2e ... --compare /tmp/e2e_verl.json`
 }
+LORA16="policy.peft={type:lora,rank:16,alpha:32,dropout:0.0,target_modules:[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]}"
 bridge_run() {  # bridge_run <s> <label> <bridge> [overrides]: the SmolLM2 recipe, no checkpoints; metrics and log in $OUT
   timeout "$1" python3 -m rlkit.cli train --config-name grpo_smollm2_gpu policy.bridge="$3" run.name="smollm2_$2" \
     checkpoint.every=0 "${@:4}" > "$OUT/smollm2_$2.log" 2>&1
@@ -42,7 +43,7 @@ bridge_run() {  # bridge_run <s> <label> <bridge> [overrides]: the SmolLM2 recip
 }
 case "$1" in
   bridge-run) smollm2; bridge_run "$2" "$3" "$3" "${@:4}" ;;  # bridge-run <s> <mbridge|megatron_bridge> [overrides]
-  lora-run) smollm2; bridge_run "$2" "lora" megatron_bridge "policy.peft={type:lora,rank:16,alpha:32,dropout:0.0,target_modules:[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]}" "${@:3}" ;;  # lora-run <s> [overrides]
+  lora-run) smollm2; bridge_run "$2" "lora_$3" megatron_bridge "$LORA16" "refit.peft=$3" "${@:4}" ;;  # lora-run <s> <merged|adapter> [overrides]
   smollm2-gap) smollm2; gap ;;
   smollm2-train) smollm2; train_smollm2 "${2:-560}" "${@:3}" ;;
   e2e-verl) smollm2; e2e_verl "${2:-480}" "${@:3}" ;;
