@@ -1,11 +1,13 @@
 """policy.bridge=megatron_bridge (NVIDIA's Megatron-Bridge through rlkit/bridge/megatron_bridge_backend.py):
 every architecture rlkit runs loads into Megatron with HF's token logprobs (tolerance as in
 test_policy_parity.py) and exports the checkpoint it loaded bit for bit, in the one order the refit
-plan was built on; at TP=1 for each architecture, at TP=2 and PP=2 for Qwen2. A Qwen3 checkpoint
-with RoPE base 1e6 (transformers 5 keeps it in rope_parameters, the bridge's config mapping did
-not: 10000 was used) and GLM-4-MoE (half of each head rotated, from the same place) check the RoPE
-settings. A short GRPO run through the launch path trains with it: the weights move, and the
-generation workers' logprobs after each refit equal the policy's to float noise."""
+plan was built on; for each architecture (Qwen2 with tied embeddings, Qwen3, Llama, Qwen3-MoE,
+GLM-4-MoE) at TP=1, TP=2 and PP=2 (GLM-4-MoE's dense first layer then on one stage, its MoE layer on
+the other). A Qwen3 checkpoint with RoPE base 1e6 (transformers 5 keeps it in rope_parameters, the
+bridge's config mapping did not: 10000 was used) and GLM-4-MoE (half of each head rotated, from the
+same place) check the RoPE settings. A short GRPO run through the launch path trains with it: the
+weights move, and the generation workers' logprobs after each refit equal the policy's to float
+noise."""
 
 import json
 import math
@@ -16,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from test_policy_parity import TOLERANCE, _hf_logprobs
 
+from rlkit.bridge import CHECKED_MODEL_TYPES
 from rlkit.cluster.setup import start_workers
 from rlkit.data.batch import Batch
 from rlkit.launch.run import train
@@ -25,14 +28,19 @@ from rlkit.workers.policy.megatron import MegatronModelWorker as Policy
 pytestmark = pytest.mark.integration
 BRIDGE = "policy.bridge=megatron_bridge"
 ROPE_BASE = 1e6
+ONE_RANK = ["policy.num_workers=1"]
+# a tiny model's 4 attention heads, 2 key/value heads (TINY_HEADS) and 2 layers (policy.tiny_model) split in two
+SPLITS = {"tp2": ["policy.num_workers=2", "policy.tensor_parallel_size=2"],
+          "pp2": ["policy.num_workers=2", "policy.pipeline_parallel_size=2"]}
 # (model: tiny://<arch>, or "rope-base": tiny Qwen3 with RoPE base ROPE_BASE; overrides)
-LAYOUTS = {"qwen2-tied-tp1": ("tiny://qwen2", ["policy.num_workers=1"]),
-           "qwen3-rope-base-tp1": ("rope-base", ["policy.num_workers=1"]),
-           "llama-tp1": ("tiny://llama", ["policy.num_workers=1"]),
-           "qwen3-moe-tp1": ("tiny://qwen3_moe", ["policy.num_workers=1"]),
-           "glm4-moe-tp1": ("tiny://glm4_moe", ["policy.num_workers=1"]),
-           "qwen2-tp2": ("tiny://qwen2", ["policy.num_workers=2", "policy.tensor_parallel_size=2"]),
-           "qwen2-pp2": ("tiny://qwen2", ["policy.num_workers=2", "policy.pipeline_parallel_size=2"])}
+LAYOUTS = {"qwen2-tied-tp1": ("tiny://qwen2", ONE_RANK),
+           "qwen3-rope-base-tp1": ("rope-base", ONE_RANK),
+           "llama-tp1": ("tiny://llama", ONE_RANK),
+           "qwen3-moe-tp1": ("tiny://qwen3_moe", ONE_RANK),
+           "glm4-moe-tp1": ("tiny://glm4_moe", ONE_RANK),
+           # every architecture the bridge accepts, at each split
+           **{f"{arch.replace('_', '-')}-{split}": (f"tiny://{arch}", overrides)
+              for arch in CHECKED_MODEL_TYPES["megatron_bridge"] for split, overrides in SPLITS.items()}}
 
 
 def _rope_base_checkpoint(make_cfg, directory):
