@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Create .venv with rlkit and its CPU dependencies. Idempotent: re-running only checks.
+# Create .venv with rlkit and its CPU dependencies. Idempotent: re-running only checks (the pip steps
+# run again only when pyproject.toml or this script changed since they last succeeded).
 # torch is installed first, as its CPU build, so no dependency pulls a CUDA wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+STAMP=.venv/.rlkit-setup  # what the last complete install was made from
+WANTED=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -x .venv/bin/rlkit ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANTED" ] && command -v bwrap >/dev/null; then
+  exit 0
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # PyPI's Linux torch is the CUDA build (gigabytes of dependencies) and PyPI holds no "+cpu" release:
@@ -26,3 +32,4 @@ if ! command -v bwrap >/dev/null; then
     echo "setup: install bubblewrap (e.g. sudo apt-get install bubblewrap) for code rewards" >&2
   fi
 fi
+echo "$WANTED" > "$STAMP"
