@@ -13,17 +13,16 @@ loop's tokenizer path and scores a reward; on the CPU machine SITE is a CPU inst
 
 GPU session: device calls sent back to back (< 30 s apart), each carrying the named folder:
   1. rlkit's set (6 parts of 60 MiB): `.gpucarry/cK` with `bash .gpucarry/cK/bootstrap.sh`, staged by
-     ../shared/gpu/stage.sh with EXTRA_WHEELS=scripts/gpu-wheels.txt (../shared/gpu/README.md); it runs
+     a wheel-staging kit with scripts/gpu-wheels.txt (docs/gpu.md, machines without network); it runs
      this driver and makes the model (`rlkit pretrained smollm2-135m-instruct`, in gpu_session.sh).
   2. verl's set (5 parts: 276 MiB, 51 wheels): `.gpucarry-verl/cK` with `bash scripts/verl_stack.sh install`,
      staged by `bash scripts/verl_stack.sh stage`; the last part installs it into /tmp/site-verl.
   3. on the last verl part: `bash scripts/verl_stack.sh install --need-all && bash scripts/gpu_session.sh
      e2e-verl` (.gpucarry-verl/CALLS.txt lists every call).
-Device time: 11 part calls (the first ~33 s with the machine's start, then 6-8 s each on a good day,
+GPU time: 11 part calls (the first ~33 s with the machine's start, then 6-8 s each on a good day,
 up to ~150 s each on a slow one) and the run: verl took ~207 s from start to its first step with eager
-vLLM and one agent worker (../shared/notes/peer-verl/README.md), then ~15 s a step on 64 x 8 short
-samples on one H100; 5 steps of 128 tokens, about 6 minutes. In all ~8 minutes on a good day, ~33 on
-a slow one (over a session's 30: then carry verl's set on a later, faster day).
+vLLM and one agent worker, then ~15 s a step on 64 x 8 short samples on one H100; 5 steps of 128
+tokens, about 6 minutes. In all ~8 minutes on a good day, ~33 on a slow one.
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""What this GPU image offers issue 16, measured: attention kernels (torch SDPA backends and
+"""What a GPU image offers rlkit's long-sequence training, measured: attention kernels (torch SDPA backends and
 varlen flash attention, causal, GQA, 1.7B-shaped heads) and device<->host copies of 2.4 GB
 (a fresh `.cpu().pin_memory()` against a pinned buffer reused with non_blocking copies).
 

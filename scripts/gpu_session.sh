@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# rlkit's GPU work on a device machine prepared by ../shared/gpu (README "GPU development").
+# rlkit's GPU work on a GPU machine whose missing wheels were staged and installed (docs/gpu.md).
 #   bash scripts/gpu_session.sh tests|tests-of <s> <pytest args>|refit-tests|bench|bench-7b|refit-bench|refit-bench-512|all    logs and JSON land in $OUT
 #   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (layer by layer, and the recipe's), GRPO run
 #   bash scripts/gpu_session.sh bridge-run <s> <mbridge|megatron_bridge> [overrides]    the SmolLM2 recipe on one bridge
 #   bash scripts/gpu_session.sh lora-run <s> <merged|adapter> [overrides]    the same with LoRA rank 16 on every linear layer; refit.peft as named
-#   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> [train_mfu.py args]    issue 16's benchmarks
+#   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> [train_mfu.py args]    end-to-end and training-throughput benchmarks
 #   bash scripts/gpu_session.sh e2e-verl [seconds] [e2e_verl.py args]    verl 0.9.1 on SmolLM2 from /tmp/site-verl (scripts/verl_stack.sh)
-#   bash scripts/gpu_session.sh async <s> <k,...> [async_grpo.py args]    issue 18: SmolLM2 GRPO, disaggregated on 2 GPUs, per
+#   bash scripts/gpu_session.sh async <s> <k,...> [async_grpo.py args]    async GRPO: SmolLM2, disaggregated on 2 GPUs, per
 #     max_staleness (one per call: async 590 0 --timeout 570, then async 590 1 --timeout 570; results merge in /tmp/async_grpo.json)
 set -uo pipefail
 source /tmp/gpucarry/env.sh

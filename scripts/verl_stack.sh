@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # verl 0.9.1's stack (scripts/verl-wheels.txt) for benchmarks/e2e_verl.py, carried beside rlkit's with the
-# ../shared/gpu kit's scripts unchanged: staged into .gpucarry-verl/c1..cN (never .gpucarry, which holds
+# wheel-staging kit's scripts (GPUCARRY_KIT: its folder) unchanged: staged into .gpucarry-verl/c1..cN (never .gpucarry, which holds
 # rlkit's set) and installed on the GPU machine into /tmp/site-verl (rlkit's: /tmp/site).
 #   bash scripts/verl_stack.sh stage                 CPU machine: writes .gpucarry-verl/c* and CALLS.txt
 #   bash scripts/verl_stack.sh install [--need-all]  GPU machine, once per part, back to back (.gpucarry-verl/CALLS.txt)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-KIT=${GPUCARRY_KIT:-$ROOT/../shared/gpu}
+KIT=${GPUCARRY_KIT:-}  # needed by stage only
 CARRY=.gpucarry-verl
 SITE=/tmp/site-verl
 
@@ -24,6 +24,7 @@ print(-(-sum(os.path.getsize(p) for p in sys.stdin.read().split("\0") if p and o
   local chunk=$(( 63 - tree < 60 ? 63 - tree : 60 ))
   # stage.sh ends with `du .gpucarry/smoke`, which fails under SMOKE=0 after everything is written: its
   # CALLS.txt, written last but that, tells a finished staging
+  [ -n "$KIT" ] || { echo "verl_stack.sh stage: set GPUCARRY_KIT to the wheel-staging kit (docs/gpu.md)" >&2; exit 2; }
   TMPDIR=$tmp EXTRA_WHEELS=$ROOT/scripts/verl-wheels.txt SMOKE=0 CHUNK_MIB=$chunk bash "$KIT/stage.sh" "$tmp/repo" \
     | grep -v "^with \|^# then\|^# Send\|^# each\|^WARNING: Location" || true
   [ -f "$tmp/repo/.gpucarry/CALLS.txt" ] || { echo "verl_stack: the kit's stage.sh failed (above)" >&2; exit 1; }

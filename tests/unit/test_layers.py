@@ -1,4 +1,4 @@
-"""rlkit's layers (README "Architecture"): data flows top to bottom and nothing imports upward.
+"""rlkit's layers (docs/architecture.md, "Layers"): data flows top to bottom and nothing imports upward.
 Every import in rlkit/, at module level or inside a function, is read with ast; one that reaches
 a higher layer fails this test, named by file, line and both layers."""
 
