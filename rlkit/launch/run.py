@@ -26,7 +26,7 @@ from rlkit.models.tokenizer import load_tokenizer
 from rlkit.observability.logprob_agreement import logprob_error
 from rlkit.observability.metrics import MetricsLogger, read_history
 from rlkit.cluster.refit_driver import RefitDriver
-from rlkit.workers.policy.adapter_base import check_base, recorded_base, weights_digest
+from rlkit.workers.policy.adapter_base import check_base, recorded_base
 
 log = logging.getLogger("rlkit")
 
