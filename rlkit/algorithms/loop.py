@@ -15,6 +15,7 @@ from rlkit.cluster.worker_group import WorkerError
 from rlkit.config.schema import RootConfig
 from rlkit.data.stream import ShuffledStream
 from rlkit.observability.metrics import MetricsLogger, console_line
+from rlkit.observability.startup import StartupClock
 
 log = logging.getLogger("rlkit")
 
@@ -62,8 +63,12 @@ class Trainer(Protocol):
 
     def validate(self) -> dict: ...
 
-    def save(self, checkpoint_dir: str) -> None:
-        """Every model's weights, optimizer state and RNG into checkpoint_dir. Collective."""
+    def save(self, checkpoint_dir: str) -> float:
+        """Start writing every model's weights, optimizer state and RNG into checkpoint_dir (the
+        models' workers write in the background). Returns the seconds it held training."""
+
+    def saved(self, wait: bool) -> bool:
+        """Whether what the last save started is on disk whole; wait: block until it is."""
 
     def load(self, checkpoint_dir: str, step: int) -> None:
         """What save wrote after `step`."""
@@ -74,9 +79,11 @@ class Trainer(Protocol):
 
 def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: ShuffledStream,
               checkpoints: CheckpointManager, logger: MetricsLogger, resume_from: Path | None,
-              stop_requested: Callable[[], str | None]) -> RunResult:
+              stop_requested: Callable[[], str | None], clock: StartupClock) -> RunResult:
     """Steps 1..algorithm.num_steps (after the checkpoint's step when resuming), validating before
-    the first and every algorithm.val_every, checkpointing every checkpoint.every and at the end.
+    the first (algorithm.val_before_training) and every algorithm.val_every, checkpointing every
+    checkpoint.every and at the end. The start-up's phases (clock) are logged once, before the
+    first step, and go into the first row of metrics.
     stop_requested() names why to stop (e.g. "SIGTERM"), checked between steps: the run then
     checkpoints the step it finished and raises RunStopped."""
     a = cfg.algorithm
@@ -85,24 +92,34 @@ def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: Shu
         log.info("resuming from %s: continuing after step %d", resume_from, state["step"])
         trainer.load(str(resume_from), state["step"])
         rows.restore(state["rows"])
-    else:
+    elif a.val_before_training:
         start = time.perf_counter()
-        metrics = trainer.validate()
-        logger.log(0, {**metrics, "timing/step": time.perf_counter() - start})
-        log.info("before training: %s", ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("val/")))
+        with clock.phase("validation"):
+            baseline = trainer.validate()
+        log.info("before training: %s", ", ".join(f"{k} {v:.3f}" for k, v in baseline.items() if k.startswith("val/")))
+    log.info(clock.line())
+    startup = clock.metrics()  # in the first row logged
+    if state is None and a.val_before_training:
+        logger.log(0, {**baseline, "timing/step": time.perf_counter() - start, **startup})
+        startup = {}
     first = state["step"] + 1 if state else 1
     started = time.perf_counter()
     for step in range(first, a.num_steps + 1):
         try:
-            metrics = trainer.step(rows, step)
+            metrics = {**trainer.step(rows, step), **startup}
+            startup = {}
             if step % a.val_every == 0 or step == a.num_steps:
                 metrics.update(trainer.validate())
+            why = stop_requested()
+            checkpoints.finish(wait=False)  # the checkpoint written since an earlier step, if it is on disk
+            due = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == a.num_steps or why
+            if due:  # started, never completed before the step is logged: a whole checkpoint's step always is
+                metrics["timing/checkpoint_held"] = checkpoints.save(step, trainer, {"step": step, "rows": rows.state()},
+                                                                     resolved)
             logger.log(step, metrics)
             log.info(console_line(step, a.num_steps, metrics, (time.perf_counter() - started) / (step - first + 1)))
-            every = cfg.checkpoint.every
-            why = stop_requested()
-            if (every and step % every == 0) or step == a.num_steps or why:
-                checkpoints.save(step, trainer.save, {"step": step, "rows": rows.state()}, resolved)
+            if due and (why or step == a.num_steps or not cfg.checkpoint.background):
+                checkpoints.finish(wait=True)
             if why and step < a.num_steps:
                 raise RunStopped(why, f"stopped by {why} after step {step}, checkpointed in {checkpoints.complete()[-1]}; "
                                  f"rerun the same command to continue")

@@ -350,12 +350,16 @@ class PolicyGradientTrainer:
         summary = episodes.summary("val")
         return {**refit_metrics, **hand_over, **{k: summary[k] for k in ("val/reward", "val/accuracy") if k in summary}}
 
-    def save(self, checkpoint_dir: str):
+    def save(self, checkpoint_dir: str) -> float:
         """The policy, and the rollouts launched ahead (max_staleness > 0): generated from
         weights the checkpoint no longer holds, they are saved rather than made again."""
-        self.policy.save_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
+        held = self.policy.save_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
         if self.cfg.algorithm.max_staleness > 0:
             torch.save(self.rollouts.pending(), Path(checkpoint_dir) / PENDING_ROLLOUTS)
+        return held
+
+    def saved(self, wait: bool) -> bool:
+        return self.policy.finish_checkpoint(wait)
 
     def load(self, checkpoint_dir: str, step: int):
         self.policy.load_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)

@@ -107,9 +107,11 @@ class PPO(PolicyGradientTrainer):
         return out
 
     # the critic is always saved as a Megatron dist checkpoint: its value head has no HF name
-    def save(self, checkpoint_dir: str):
-        super().save(checkpoint_dir)
-        self.critic.save_checkpoint(checkpoint_dir, "dist")
+    def save(self, checkpoint_dir: str) -> float:
+        return max(super().save(checkpoint_dir), self.critic.save_checkpoint(checkpoint_dir, "dist"))
+
+    def saved(self, wait: bool) -> bool:
+        return all([super().saved(wait), self.critic.finish_checkpoint(wait)])  # both asked, every time
 
     def load(self, checkpoint_dir: str, step: int):
         super().load(checkpoint_dir, step)

@@ -27,6 +27,7 @@ class AlgorithmConfig:
     name: str = MISSING
     num_steps: int = MISSING
     val_every: int = MISSING
+    val_before_training: bool = MISSING
 
 
 def no_checks(cfg: RootConfig, dp: int) -> None:

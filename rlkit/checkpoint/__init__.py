@@ -9,7 +9,10 @@ Layout of <run_dir>/checkpoints/step_000042/:
   config.yaml             the resolved config of the run
   manifest.json           every other file's size and SHA-256, written last
 A checkpoint is written into step_N.tmp-<pid> and renamed when complete, so a directory named
-step_N is always whole; leftovers of a killed write are never read and are removed. A whole
+step_N is always whole. The models' workers write their part in the background while training
+goes on (save() returns once they hold a copy of their state); finish() completes the checkpoint
+once they are done: the manifest, written last by a thread here, then the rename. So a directory
+named step_N is always whole; leftovers of a killed write are never read and are removed. A whole
 checkpoint is trusted only once its files match its manifest: a file lost or damaged since (a
 rank's RNG file, a truncated shard) is found before any worker starts, and the run resumes from
 the newest intact checkpoint instead.
@@ -21,8 +24,11 @@ import logging
 import os
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -35,10 +41,31 @@ _COMPLETE = re.compile(r"^step_(\d{6})$")
 MANIFEST = "manifest.json"
 
 
+class SavedModels(Protocol):
+    def save(self, checkpoint_dir: str) -> float:
+        """Start writing the models' part (weights, optimizer, RNG) into checkpoint_dir; the
+        seconds it held training."""
+
+    def saved(self, wait: bool) -> bool:
+        """Whether that part is on disk whole; wait: block until it is."""
+
+
+@dataclass
+class _Writing:
+    """A checkpoint whose files are still being written."""
+    tmp: Path
+    final: Path
+    models: SavedModels
+    started: float
+    finishing: Future | None = None  # the manifest and rename, once the models' files are written
+
+
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, run_dir: Path):
         self.cfg = cfg
         self.root = Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"
+        self.writing: _Writing | None = None
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-manifest")
 
     def complete(self) -> list[Path]:
         """Whole checkpoints, oldest first."""
@@ -72,21 +99,45 @@ class CheckpointManager:
                               f"another one, or use auto to take the newest intact one")
         return path
 
-    def save(self, step: int, write_models, controller_state: dict, resolved: DictConfig) -> Path:
-        """write_models(dir) writes the models' part (weights, optimizer, RNG) into dir."""
+    def save(self, step: int, models: SavedModels, controller_state: dict, resolved: DictConfig) -> float:
+        """Start checkpoint `step` (after finishing the one before it): the models write their part
+        in the background, finish() makes it whole. Returns the seconds it held training."""
+        self.finish(wait=True)
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write_models(str(tmp))
+        started = time.perf_counter()
+        held = models.save(str(tmp))
         torch.save(controller_state, tmp / "controller.pt")
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-        _write_manifest(tmp)
-        if final.exists():  # a resumed run re-reaching a step it had already saved
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        self.writing = _Writing(tmp, final, models, started)
+        log.info("checkpoint %s: training held %.2f s, the rest is written in the background", final.name, held)
+        return held
+
+    def finish(self, wait: bool) -> Path | None:
+        """The checkpoint being written, completed once its models' files are (with wait: once
+        they are); None while they are not, or when none is being written."""
+        writing = self.writing
+        if writing is None:
+            return None
+        if writing.finishing is None:
+            if not writing.models.saved(wait):
+                return None
+            writing.finishing = self._finisher.submit(self._make_whole, writing)
+        if not (wait or writing.finishing.done()):
+            return None
+        self.writing = None
+        return writing.finishing.result()
+
+    def _make_whole(self, writing: _Writing) -> Path:
+        _write_manifest(writing.tmp)
+        if writing.final.exists():  # a resumed run re-reaching a step it had already saved
+            shutil.rmtree(writing.final)
+        os.replace(writing.tmp, writing.final)
         self._prune()
-        return final
+        log.info("checkpoint %s complete, %.1f s after it started", writing.final, time.perf_counter() - writing.started)
+        return writing.final
 
     def _prune(self):
         """Remove leftovers of killed writes, and all but the newest checkpoint.keep_last checkpoints

@@ -137,8 +137,13 @@ class ModelWorkers:
         reports = [r for r in self.workers.every_rank(Model.wake) if r]
         return _copy_metrics(f"{self.role}_wake", reports) if reports else {}
 
-    def save_checkpoint(self, directory: str, save_format: str):
-        self.workers.every_rank(Model.save_checkpoint, directory, save_format)
+    def save_checkpoint(self, directory: str, save_format: str) -> float:
+        """Starts it (see finish_checkpoint); the seconds it held the slowest rank."""
+        return max(self.workers.every_rank(Model.save_checkpoint, directory, save_format))
+
+    def finish_checkpoint(self, wait: bool) -> bool:
+        """Whether the last checkpoint is written whole (with wait: once it is)."""
+        return all(self.workers.every_rank(Model.finish_checkpoint, wait))
 
     def load_checkpoint(self, directory: str, save_format: str):
         self.workers.every_rank(Model.load_checkpoint, directory, save_format)

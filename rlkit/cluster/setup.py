@@ -1,6 +1,7 @@
 """Start the worker groups of a run on one placement group, and tear them down."""
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -12,7 +13,9 @@ from rlkit.cluster.placement import Placement, plan_placement
 from rlkit.cluster.ray_runtime import device_kind, join_or_start_ray, stop_local_ray
 from rlkit.cluster.worker_group import WorkerGroup, rendezvous_address
 from rlkit.config.schema import RootConfig
-from rlkit.workers.policy.megatron import MegatronModelWorker, optional_kernels_missing
+from rlkit.observability.startup import StartupClock
+from rlkit.workers.generation.base import GenerationWorker as Engine
+from rlkit.workers.policy.megatron import MegatronModelWorker as Model, optional_kernels_missing
 
 log = logging.getLogger("rlkit")
 
@@ -54,10 +57,12 @@ def _generation_worker(cfg: RootConfig, model_dir: str) -> tuple[type, Callable[
 
 
 def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
-                  with_critic: bool = False) -> RunWorkers:
+                  with_critic: bool = False, clock: StartupClock | None = None) -> RunWorkers:
     """Policy (and generation) workers on a new placement group; with_critic reserves room on the
-    policy's bundles for the critic that start_critic adds later."""
-    started = join_or_start_ray(cfg.cluster)
+    policy's bundles for the critic that start_critic adds later. clock: where the phases' seconds go."""
+    clock = clock or StartupClock()
+    with clock.phase("ray"):
+        started = join_or_start_ray(cfg.cluster)
     device = device_kind()
     missing = optional_kernels_missing()
     if missing:
@@ -73,24 +78,31 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
                            f"for cluster.placement={cfg.cluster.placement}; it has {ray.cluster_resources()}. "
                            f"Lower policy.num_workers / generation.num_workers or raise cluster.num_cpus") from None
     try:
-        return _start_groups(cfg, model_dir, pg, placement, device, started, with_generation)
+        return _start_groups(cfg, model_dir, pg, placement, device, started, with_generation, clock)
     except BaseException:
         # a worker that failed to start must not leave its bundles reserved for the next attempt
         remove_placement_group(pg)
         raise
 
 
-def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation) -> RunWorkers:
+def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation, clock) -> RunWorkers:
     c = cfg.cluster
     # Generation first: vLLM sizes its KV cache from the free memory it measures at start-up,
     # which a policy allocating on the same GPU at the same time would falsify.
     generation = None
     if with_generation:
         generation_cls, generation_args = _generation_worker(cfg, model_dir)
-        generation = GenerationWorkers(WorkerGroup("generation", generation_cls, pg, placement.generation_bundles,
-                                                   placement.share, device, generation_args, c.call_timeout_s))
-        generation.sleep()  # also waits until every engine is up
-    policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
+        with clock.phase("generation_workers"):
+            created = time.time()
+            generation = GenerationWorkers(WorkerGroup("generation", generation_cls, pg, placement.generation_bundles,
+                                                       placement.share, device, generation_args, c.call_timeout_s))
+            generation.sleep()  # also waits until every engine is up
+        clock.add_workers("generation_workers", created, generation.workers.every_rank(Engine.startup_phases))
+    with clock.phase("policy_workers"):
+        created = time.time()
+        policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
+        reports = policy.every_rank(Model.startup_phases)  # once every rank is built and loaded
+    clock.add_workers("policy_workers", created, reports)
     _log_nodes(policy, generation.workers if generation else None)
     return RunWorkers(ModelWorkers(policy), generation, pg, started, placement, device)
 
@@ -116,7 +128,7 @@ def _megatron_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, p
     c = cfg.cluster
     master_addr, master_port = rendezvous_address(pg, placement.policy_bundles[0])
     return WorkerGroup(
-        role, MegatronModelWorker, pg, placement.policy_bundles, placement.share, device,
+        role, Model, pg, placement.policy_bundles, placement.share, device,
         lambda rank: dict(cfg=model_cfg, model_dir=model_dir, rank=rank, world_size=model_cfg.num_workers,
                           master_addr=master_addr, master_port=master_port, seed=cfg.run.seed,
                           threads=c.threads_per_worker, collective_timeout_s=c.collective_timeout_s, head=head),

@@ -193,6 +193,7 @@ DATASETS = {"prompts": PromptDataConfig, "sft_files": SFTDataConfig, "preference
 class CheckpointConfig:
     every: int = MISSING
     save_format: str = MISSING
+    background: bool = MISSING
     keep_last: int = MISSING
     resume: str = MISSING
     dir: Optional[str] = MISSING

@@ -25,6 +25,7 @@ from rlkit.models.resolve import resolve_model_dir
 from rlkit.models.tokenizer import load_tokenizer
 from rlkit.observability.logprob_agreement import logprob_error
 from rlkit.observability.metrics import MetricsLogger, read_history
+from rlkit.observability.startup import StartupClock
 from rlkit.cluster.refit_driver import RefitDriver
 from rlkit.workers.policy.adapter_base import check_base, recorded_base
 
@@ -33,6 +34,7 @@ log = logging.getLogger("rlkit")
 
 def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
     """Train cfg.algorithm.name; returns the run's metrics history and folder."""
+    clock = StartupClock()
     algorithm = load_algorithm(cfg.algorithm.name)
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir)
@@ -50,11 +52,12 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
         saved = OmegaConf.load(resume_from / "config.yaml")
         check_expert_layout(cfg, saved, resume_from)
         check_resumed_schedule(cfg, saved, resume_from)
-    model_dir = resolve_model_dir(cfg)
-    tokenizer = load_tokenizer(model_dir)
-    data = algorithm.load_data(cfg, tokenizer)
-    if algorithm.rollouts:
-        check_prompts(cfg, data, tokenizer)
+    with clock.phase("model_tokenizer_data"):
+        model_dir = resolve_model_dir(cfg)
+        tokenizer = load_tokenizer(model_dir)
+        data = algorithm.load_data(cfg, tokenizer)
+        if algorithm.rollouts:
+            check_prompts(cfg, data, tokenizer)
     start_dir, warm_dir = model_dir, None
     if algorithm.warm_start is not None:
         start_dir, warm_dir = warm_start_dir(cfg, model_dir, resume_from, algorithm.uses_reference(cfg.algorithm),
@@ -63,28 +66,32 @@ def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
         # adapters on a model that never answers learn too little to start from: the warm start
         # tunes every weight, on workers of its own, and the adapters train on top of its result
         full_tuning = replace(cfg, policy=replace(cfg.policy, peft=None))
-        warm_workers = start_workers(full_tuning, str(start_dir), with_generation=False, with_critic=False)
-        try:
-            with stop_on_signals(cfg.checkpoint.interrupt_grace_s) as stop_requested:
-                _warm_start(full_tuning, algorithm, warm_workers.policy, tokenizer, data, warm_dir, stop_requested)
-        finally:
-            warm_workers.shutdown(keep_ray_logs=_failing())
+        with clock.phase("warm_start"):
+            warm_workers = start_workers(full_tuning, str(start_dir), with_generation=False, with_critic=False)
+            try:
+                with stop_on_signals(cfg.checkpoint.interrupt_grace_s) as stop_requested:
+                    _warm_start(full_tuning, algorithm, warm_workers.policy, tokenizer, data, warm_dir, stop_requested)
+            finally:
+                warm_workers.shutdown(keep_ray_logs=_failing())
         start_dir, warm_dir = warm_dir, None
     if resume_from is not None:
         check_base(resume_from / "policy", str(start_dir), cfg.policy.peft is not None, "checkpoint.resume")
     elif cfg.policy.peft is not None and cfg.policy.peft.init_from is not None:
         check_base(Path(cfg.policy.peft.init_from) / "policy", str(start_dir), True, "policy.peft.init_from")
-    workers = start_workers(cfg, str(start_dir), with_generation=algorithm.rollouts, with_critic=algorithm.critic)
+    workers = start_workers(cfg, str(start_dir), with_generation=algorithm.rollouts, with_critic=algorithm.critic,
+                            clock=clock)
     logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state_step)
     trainer = None
     try:
         with stop_on_signals(cfg.checkpoint.interrupt_grace_s) as stop_requested:
             if resume_from is None and warm_dir is not None:
-                _warm_start(cfg, algorithm, workers.policy, tokenizer, data, warm_dir, stop_requested)
+                with clock.phase("warm_start"):
+                    _warm_start(cfg, algorithm, workers.policy, tokenizer, data, warm_dir, stop_requested)
                 start_dir = warm_dir
-            trainer = algorithm.trainer(RunContext(cfg, algorithm, workers, tokenizer, data, start_dir))
+            with clock.phase("trainer_setup"):
+                trainer = algorithm.trainer(RunContext(cfg, algorithm, workers, tokenizer, data, start_dir))
             rows = ShuffledStream(data.train, trainer.rows_per_step, cfg.run.seed)
-            return run_steps(cfg, resolved, trainer, rows, checkpoints, logger, resume_from, stop_requested)
+            return run_steps(cfg, resolved, trainer, rows, checkpoints, logger, resume_from, stop_requested, clock)
     finally:
         if trainer is not None:
             trainer.close()

@@ -169,7 +169,9 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
 
 def test_distributed_optimizer_resumes_exactly(ray_cluster, make_cfg, tiny_qwen2, tmp_path):
     """The GPU layout's optimizer (sharded over data-parallel ranks, no Apex/TransformerEngine)
-    round-trips through a dist checkpoint: the step after loading equals the step never stopped."""
+    round-trips through a dist checkpoint: the step after loading equals the step never stopped.
+    The checkpoint is written in the background while that next step changes every weight and
+    moment in place: what it holds is the state at the save."""
     batch = Batch({"input_ids": torch.randint(0, 300, (8, 10), generator=torch.Generator().manual_seed(2))})
     mask = torch.ones(8, 10)
     batch = batch.with_fields(loss_mask=mask)
@@ -185,6 +187,7 @@ def test_distributed_optimizer_resumes_exactly(ray_cluster, make_cfg, tiny_qwen2
                 workers.policy.load_checkpoint(str(tmp_path), "dist")
             workers.policy.train(batch, batch_totals(mask), NextTokenNLL())
             after[name] = workers.policy.logprobs(batch)
+            assert workers.policy.finish_checkpoint(wait=True)
         finally:
             workers.shutdown()
     assert torch.equal(after["continued"], after["resumed"])

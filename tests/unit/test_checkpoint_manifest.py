@@ -14,25 +14,46 @@ from rlkit.config.schema import CheckpointConfig, ConfigError
 
 
 def manager(root, keep_last=0, resume="auto") -> CheckpointManager:
-    cfg = CheckpointConfig(every=1, save_format="dist", keep_last=keep_last, resume=resume, dir=str(root),
-                           interrupt_grace_s=60)
+    cfg = CheckpointConfig(every=1, save_format="dist", background=True, keep_last=keep_last, resume=resume,
+                           dir=str(root), interrupt_grace_s=60)
     return CheckpointManager(cfg, root)
 
 
-def write_models(directory):
-    """What the policy workers write: a distributed-checkpoint shard and metadata, one RNG file per rank."""
-    os.makedirs(f"{directory}/policy")
-    os.makedirs(f"{directory}/rng")
-    with open(f"{directory}/policy/__0_0.distcp", "wb") as f:
-        f.write(os.urandom(4096))
-    with open(f"{directory}/policy/.metadata", "wb") as f:
-        f.write(b"metadata" * 64)
-    for rank in range(2):
-        torch.save({"torch": torch.get_rng_state()}, f"{directory}/rng/policy_rank_{rank}.pt")
+class Models:
+    """What the policy workers write: a distributed-checkpoint shard and metadata, one RNG file per
+    rank; the shard's last bytes only once `polls` calls of saved(wait=False) have asked, as a write
+    in the background."""
+
+    def __init__(self, polls=0):
+        self.polls, self.shard = polls, None
+
+    def save(self, directory) -> float:
+        os.makedirs(f"{directory}/policy")
+        os.makedirs(f"{directory}/rng")
+        self.shard = f"{directory}/policy/__0_0.distcp"
+        with open(self.shard, "wb") as f:
+            f.write(os.urandom(2048))
+        with open(f"{directory}/policy/.metadata", "wb") as f:
+            f.write(b"metadata" * 64)
+        for rank in range(2):
+            torch.save({"torch": torch.get_rng_state()}, f"{directory}/rng/policy_rank_{rank}.pt")
+        return 0.25
+
+    def saved(self, wait: bool) -> bool:
+        if not wait and self.polls > 0:
+            self.polls -= 1
+            return False
+        if self.shard:
+            with open(self.shard, "ab") as f:
+                f.write(os.urandom(2048))
+            self.shard = None
+        return True
 
 
-def save(checkpoints, step):
-    return checkpoints.save(step, write_models, {"step": step}, OmegaConf.create({"run": {"seed": 0}}))
+def save(checkpoints, step, models=None):
+    """A checkpoint, whole."""
+    checkpoints.save(step, models or Models(), {"step": step}, OmegaConf.create({"run": {"seed": 0}}))
+    return checkpoints.finish(wait=True)
 
 
 def truncate(path):
@@ -121,3 +142,26 @@ def test_a_checkpoint_saved_at_another_expert_parallel_size_is_one_config_error(
     with pytest.raises(ConfigError, match=r"^policy\.expert_parallel_size: .*step_000002 was saved at 2 and this run "
                                           r"asks for 1; .*resume with policy\.expert_parallel_size=2"):
         check_expert_layout(now, saved, tmp_path / "step_000002")
+
+
+def test_a_checkpoint_is_whole_only_once_its_background_write_is(tmp_path):
+    """While the models' workers write, the checkpoint is neither listed nor resumed; each poll
+    asks them without waiting; the next save waits for it; the manifest covers what they wrote last."""
+    checkpoints = manager(tmp_path)
+    first = save(checkpoints, 1)
+    held = checkpoints.save(2, Models(polls=2), {"step": 2}, OmegaConf.create({"run": {"seed": 0}}))
+    assert held == 0.25
+    assert checkpoints.finish(wait=False) is None and checkpoints.finish(wait=False) is None
+    assert checkpoints.complete() == [first] and checkpoints.to_resume() == first
+    assert any(".tmp-" in p.name for p in tmp_path.iterdir())
+    newest = checkpoints.finish(wait=False)
+    while newest is None:  # the manifest is written by a thread
+        newest = checkpoints.finish(wait=False)
+    assert newest.name == "step_000002" and verify(newest) is None
+    assert (newest / "policy/__0_0.distcp").stat().st_size == 4096
+    assert checkpoints.complete() == [first, newest] and checkpoints.finish(wait=False) is None
+    checkpoints.save(3, Models(polls=5), {"step": 3}, OmegaConf.create({"run": {"seed": 0}}))
+    checkpoints.save(4, Models(polls=5), {"step": 4}, OmegaConf.create({"run": {"seed": 0}}))  # waits for step 3
+    assert [p.name for p in checkpoints.complete()] == ["step_000001", "step_000002", "step_000003"]
+    assert checkpoints.finish(wait=True).name == "step_000004"
+    assert not any(".tmp-" in p.name for p in tmp_path.iterdir())

@@ -138,8 +138,17 @@ def saved_run(tmp_path, dirs, *overrides) -> None:
     must stop before it would load any)."""
     cfg, resolved = load_config(RECIPE, [*dirs, "cluster.placement=disaggregated", "algorithm.num_steps=4",
                                          "algorithm.max_staleness=1", *overrides])
-    CheckpointManager(cfg.checkpoint, tmp_path / "out" / cfg.run.name).save(
-        2, lambda directory: None, {"step": 2, "rows": None}, resolved)
+    checkpoints = CheckpointManager(cfg.checkpoint, tmp_path / "out" / cfg.run.name)
+    checkpoints.save(2, NoModels(), {"step": 2, "rows": None}, resolved)
+    checkpoints.finish(wait=True)
+
+
+class NoModels:
+    def save(self, directory) -> float:
+        return 0.0
+
+    def saved(self, wait: bool) -> bool:
+        return True
 
 
 @pytest.mark.parametrize("key, saved, asked", [("algorithm.max_staleness", 1, 2), ("algorithm.num_steps", 4, 6)])

@@ -32,6 +32,11 @@ class GenerationWorker(ABC):
         """part="weights" restores only the weights (for a refit while the policy still holds
         its memory); "all" also the KV cache."""
 
+    def startup_phases(self) -> dict:
+        """What this worker's start-up took (rlkit/observability/startup.py): set self.startup
+        (a PhaseTimes) first thing in __init__."""
+        return self.startup.report()
+
     def close(self) -> None:
         """Just before the worker is killed (ray.kill runs no cleanup inside an actor): remove what
         would outlive its process, e.g. files."""

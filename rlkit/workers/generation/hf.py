@@ -5,6 +5,7 @@ import torch
 from rlkit.config.schema import PeftConfig
 from rlkit.data.generation import Generations, SamplingParams
 from rlkit.models.checkpoint_names import checkpoint_tensors
+from rlkit.observability.startup import PhaseTimes
 from rlkit.models.tokenizer import load_tokenizer
 from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan, bucket_checksum
 from rlkit.refit.receiver import ObjectStoreReceiver
@@ -18,13 +19,16 @@ class HFGenerationWorker(GenerationWorker):
     under HF peft's LoRA instead, and refits set the adapters alone."""
 
     def __init__(self, model_dir: str, precision: str, threads: int, rank: int, adapter: PeftConfig | None = None):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        self.startup = PhaseTimes()
+        with self.startup.phase("transformers_import"):
+            from transformers import AutoConfig, AutoModelForCausalLM
 
         torch.set_num_threads(threads)
         self.rank, self.name = rank, f"generation worker {rank}"
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype) \
-            if adapter is None else AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        with self.startup.phase("build"):
+            base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype) \
+                if adapter is None else AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         tokenizer = load_tokenizer(model_dir)
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         # the checkpoint's tensors under its names, as the exporter sends them (persistent buffers such as an

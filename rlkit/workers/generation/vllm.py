@@ -24,6 +24,7 @@ import torch
 from rlkit.bridge.adapters import write_hf_peft_adapter
 from rlkit.config.schema import ConfigError, GenerationConfig, PeftConfig
 from rlkit.data.generation import Generations, SamplingParams
+from rlkit.observability.startup import PhaseTimes
 from rlkit.workers.generation.base import GenerationWorker
 from rlkit.workers.rendezvous import use_interface_of
 
@@ -35,6 +36,7 @@ class VLLMGenerationWorker(GenerationWorker):
 
     def __init__(self, model_dir: str, cfg: GenerationConfig, seed: int, rank: int, sleep_mode: bool,
                  fp32_lm_head: bool, adapter: PeftConfig | None = None):
+        self.startup = PhaseTimes()
         # the engine core is a separate process; IPC handles and plans travel by pickle
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -42,7 +44,8 @@ class VLLMGenerationWorker(GenerationWorker):
         node_address = ray.util.get_node_ip_address()
         os.environ.setdefault("VLLM_HOST_IP", node_address)
         use_interface_of(node_address)
-        from vllm import LLM
+        with self.startup.phase("vllm_import"):
+            from vllm import LLM
 
         v = cfg.vllm
         self.rank, self.sleep_mode, self.seed_per_request = rank, sleep_mode, v.seed_per_request
@@ -51,15 +54,16 @@ class VLLMGenerationWorker(GenerationWorker):
         # wrapper on the LM head would add a kernel on every step's logits
         lora = {} if adapter is None else dict(enable_lora=True, max_lora_rank=_max_lora_rank(adapter.rank),
                                                max_loras=1, lora_target_modules=list(adapter.target_modules))
-        self.llm = LLM(model=model_dir, tensor_parallel_size=v.tensor_parallel_size,
-                       gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
-                       enforce_eager=v.enforce_eager, seed=seed + rank,
-                       load_format="dummy" if adapter is None else "auto",
-                       dtype="bfloat16" if cfg.precision == "bf16" else "float32",
-                       enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",
-                       # logits as the policy computes them (policy.fp32_lm_head)
-                       hf_overrides={"head_dtype": "float32"} if fp32_lm_head else None,
-                       worker_extension_cls="rlkit.workers.generation.vllm_ext.RefitExtension", **lora)
+        with self.startup.phase("vllm_engine"):
+            self.llm = LLM(model=model_dir, tensor_parallel_size=v.tensor_parallel_size,
+                           gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
+                           enforce_eager=v.enforce_eager, seed=seed + rank,
+                           load_format="dummy" if adapter is None else "auto",
+                           dtype="bfloat16" if cfg.precision == "bf16" else "float32",
+                           enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",
+                           # logits as the policy computes them (policy.fp32_lm_head)
+                           hf_overrides={"head_dtype": "float32"} if fp32_lm_head else None,
+                           worker_extension_cls="rlkit.workers.generation.vllm_ext.RefitExtension", **lora)
         # refit.peft=adapter: the last refit's adapter (None: the base alone) and where each is written
         self.lora_request = None
         self.adapter_root = None if adapter is None else tempfile.mkdtemp(

@@ -1,19 +1,133 @@
-"""Megatron distributed checkpoints, saved without helper processes.
+"""Megatron distributed checkpoints written by a thread of the worker while training goes on.
 
-megatron-core's file writer hands each rank's write results over through a queue of a
-multiprocessing Manager: a server process (and Python's resource tracker) that it starts on a
-rank's first save and that outlives a worker killed with SIGKILL. rlkit saves synchronously, in
-the worker's own process, so an in-process queue carries the same results and no process is
-started."""
+A save has three parts. `start` is what holds training: megatron-core plans the save (the
+collective part), then every tensor it will write is copied into host buffers that are allocated
+once and reused (pinned on a GPU: one device-to-host copy at link speed; cloned on a CPU, where
+the planned tensors are the live ones). A thread then writes those copies to disk while the
+worker trains. `finish` (collective, at a step boundary) finalizes once every rank's thread is
+done: the global metadata, metadata.json.
+
+This is megatron-core's own asynchronous save (`async_sharded_save=True`), scheduled differently:
+megatron-core runs the write in a forked process per file, handing results back through a
+multiprocessing Manager (a server process that outlives a worker killed with SIGKILL); forking a
+process whose other thread trains risks a deadlock on any lock held at the fork. rlkit writes in a
+thread of the worker's own process (file writes release the GIL) and hands results back through
+an in-process queue, so no process is started and a killed worker leaves nothing behind.
+"""
 
 import queue
+import threading
+import time
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
 
 
-def save(sharded_state_dict: dict, directory: str) -> None:
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+class BackgroundSave:
+    def __init__(self):
+        self.request = None  # megatron-core's AsyncRequest of the save being written
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.on_finished = None
+        self.staging: dict[tuple[int, int], torch.Tensor] = {}  # (file, item) -> host copy, reused
 
-    # the writer's lazily created queue; set here, it is never created
-    if not isinstance(filesystem_async._results_queue, queue.Queue):
-        filesystem_async._results_queue = queue.Queue()
-    dist_checkpointing.save(sharded_state_dict, directory)
+    @property
+    def pending(self) -> bool:
+        return self.request is not None
+
+    def start(self, sharded_state_dict: dict, directory: str, on_finished=None) -> float:
+        """Plan the save, copy what it writes to host memory and start writing it. Collective.
+        on_finished() runs on every rank once the checkpoint is whole. Returns the seconds the
+        caller was held."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        assert not self.pending, "the previous checkpoint is still being written"
+        held = time.perf_counter()
+        # the writer's lazily created results queue: a Manager process unless set here
+        if not isinstance(filesystem_async._results_queue, queue.Queue):
+            filesystem_async._results_queue = queue.Queue()
+        request = dist_checkpointing.save(sharded_state_dict, directory, async_sharded_save=True)
+        transforms, buckets, results = [], [], None
+        if request.async_fn is not None:  # None: nothing of this rank's is written
+            _, buckets, results = request.async_fn_args
+            buckets = self._stage(buckets)
+            transforms = request.async_fn.args[0]
+        self.request, self.on_finished, self.error = request, on_finished, None
+        self.thread = threading.Thread(target=self._write, args=(transforms, buckets, results),
+                                       name="checkpoint-writer", daemon=True)
+        self.thread.start()
+        return time.perf_counter() - held
+
+    def finish(self, wait: bool) -> bool:
+        """Whether no save is pending any more on any rank: finalizes it when every rank's write is
+        done (or, with wait, once they are). Collective; every rank gets the same answer."""
+        if not self.pending:
+            return True
+        if wait:
+            self.thread.join()
+        done = torch.tensor([0 if self.thread.is_alive() else 1], device="cuda" if ON_GPU else "cpu")
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+        if not done.item():
+            return False
+        failed = torch.tensor([1 if self.error else 0], device=done.device)
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        request, self.request = self.request, None
+        if failed.item():
+            raise RuntimeError(f"writing the checkpoint failed on a rank: {self.error!r}" if self.error
+                               else "writing the checkpoint failed on another rank")
+        for finalize in request.finalize_fns:  # global metadata; metadata.json
+            finalize()
+        if self.on_finished:
+            self.on_finished()
+        return True
+
+    def _stage(self, buckets: list) -> list:
+        """The buckets with every tensor replaced by its host copy, in buffers kept for the next save."""
+        staged = []
+        for b, (path, key, (bytes_data, tensor_data)) in enumerate(buckets):
+            copies = []
+            for i, (item, tensor) in enumerate(tensor_data):
+                buffer = self.staging.get((b, i))
+                if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=ON_GPU)
+                    self.staging[(b, i)] = buffer
+                buffer.copy_(tensor.detach(), non_blocking=ON_GPU)
+                copies.append((item, buffer))
+            staged.append((path, key, (bytes_data, copies)))
+        if ON_GPU:
+            torch.cuda.current_stream().synchronize()
+        return staged
+
+    def _write(self, transforms: list, buckets: list, results: queue.Queue | None):
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+        # the per-file writer without its decorator, which turns the garbage collector off for
+        # the whole process (meant for a forked writer, not a thread beside training)
+        write = FileSystemWriterAsync.write_preloaded_data.__wrapped__
+        try:
+            written = {}
+            for index, bucket in enumerate(buckets):
+                local, count = queue.Queue(), _Count()
+                write(transforms, index, bucket, local, count, True)
+                index, outcome = local.get()
+                if isinstance(outcome, Exception):
+                    raise outcome
+                written[index] = outcome
+            if results is not None:
+                results.put(written)
+        except BaseException as e:  # reported by finish(), on every rank
+            self.error = e
+            if results is not None:
+                results.put(e)
+
+
+class _Count:
+    """What the per-file writer signals its end on (a JoinableQueue between processes)."""
+
+    def get(self):
+        pass
+
+    def task_done(self):
+        pass

@@ -11,7 +11,9 @@ is held here (hold): logprobs, values and token-level advantages are computed in
 shard where it lives, and training reads it, so token tensors cross the controller once.
 """
 
+import functools
 import os
+import time
 import warnings
 from datetime import timedelta
 from typing import Callable, Iterator
@@ -27,6 +29,7 @@ from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.micro_batches import LENGTH_MASKS, micro_batches, restore_rows
 from rlkit.data.packing import packed_attention_mask
 from rlkit.observability.logprob_agreement import agreement_sums, reference_kl_sums
+from rlkit.observability.startup import PhaseTimes
 from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.refit.sender import RefitSender, sending_half
 from rlkit.workers.policy import dist_checkpoint
@@ -59,19 +62,23 @@ def optional_kernels_missing() -> list[str]:
 class MegatronModelWorker:
     def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, master_addr: str,
                  master_port: int, seed: int, threads: int, collective_timeout_s: float, head: str = "lm"):
+        self.startup = PhaseTimes()
         torch.set_num_threads(threads)
-        if not ON_GPU:
-            from rlkit.workers.policy import cpu_compat
-            cpu_compat.enable()
-        else:
-            torch.cuda.set_device(0)  # Ray gives each actor its GPU as device 0
+        with self.startup.phase("megatron_imports"):
+            if not ON_GPU:
+                from rlkit.workers.policy import cpu_compat
+                cpu_compat.enable()
+            else:
+                torch.cuda.set_device(0)  # Ray gives each actor its GPU as device 0
+            from megatron.core import parallel_state as mpu
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            from rlkit.bridge import open_bridge
         self.cfg = cfg
         self.rank = rank
-        init_process_group("nccl" if ON_GPU else "gloo", master_addr, master_port, rank, world_size,
-                           timedelta(seconds=collective_timeout_s), node_address=ray.util.get_node_ip_address())
-        from megatron.core import parallel_state as mpu
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
+        with self.startup.phase("process_group"):
+            init_process_group("nccl" if ON_GPU else "gloo", master_addr, master_port, rank, world_size,
+                               timedelta(seconds=collective_timeout_s), node_address=ray.util.get_node_ip_address())
         mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel_size,
                                       pipeline_model_parallel_size=cfg.pipeline_parallel_size,
                                       context_parallel_size=cfg.context_parallel_size,
@@ -79,25 +86,26 @@ class MegatronModelWorker:
         self.mpu = mpu
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
-        from rlkit.bridge import open_bridge
-
         self.bf16, self.head = cfg.precision == "bf16", head
         self.base_dir = model_dir  # the HF checkpoint under policy.peft's adapters (init_reference may replace it)
         self._base_digest = None  # its weights_digest, taken at the first adapter checkpoint
         self.name = "policy" if head == "lm" else "critic"  # its folder in a checkpoint
-        # policy.peft adapts the policy; PPO's critic trains all of its weights
-        self.bridge = open_bridge(cfg.bridge, model_dir, torch.bfloat16 if self.bf16 else torch.float32,
-                                  cfg.attention_backend, cfg.peft if head == "lm" else None)
-        self.model = self.bridge.build(bf16=self.bf16, wrap_with_ddp=True, value_head=head == "value",
-                                       fp32_lm_head=cfg.fp32_lm_head,
-                                       use_distributed_optimizer=cfg.use_distributed_optimizer)
-        if head == "value":
-            self.bridge.load_trunk_weights(self.model, self.bf16)
-        else:
-            self.bridge.load_hf_weights(self.model)
-            if cfg.peft is not None and cfg.peft.init_from is not None:
-                self.bridge.load_adapter_checkpoint(self.model, os.path.join(cfg.peft.init_from, self.name))
+        with self.startup.phase("build"):
+            # policy.peft adapts the policy; PPO's critic trains all of its weights
+            self.bridge = open_bridge(cfg.bridge, model_dir, torch.bfloat16 if self.bf16 else torch.float32,
+                                      cfg.attention_backend, cfg.peft if head == "lm" else None)
+            self.model = self.bridge.build(bf16=self.bf16, wrap_with_ddp=True, value_head=head == "value",
+                                           fp32_lm_head=cfg.fp32_lm_head,
+                                           use_distributed_optimizer=cfg.use_distributed_optimizer)
+        with self.startup.phase("hf_load"):
+            if head == "value":
+                self.bridge.load_trunk_weights(self.model, self.bf16)
+            else:
+                self.bridge.load_hf_weights(self.model)
+                if cfg.peft is not None and cfg.peft.init_from is not None:
+                    self.bridge.load_adapter_checkpoint(self.model, os.path.join(cfg.peft.init_from, self.name))
         self.offload = HostOffload(pin=ON_GPU)  # what sleep() moved off the GPU, in reused pinned buffers
+        self.background_save = dist_checkpoint.BackgroundSave()  # the checkpoint being written, if any
         self.pinned_bandwidth = None  # GB/s each way, measured at the first sleep()
         self.refit_sender = RefitSender(self)  # this rank's half of refit (policy only)
         self.held: Batch | None = None  # this rank's shard of the step's rollout
@@ -110,6 +118,9 @@ class MegatronModelWorker:
         self.temperature = 1.0
 
     # ---- setup -------------------------------------------------------------------------
+    def startup_phases(self) -> dict:
+        return self.startup.report()
+
     def _build_optimizer(self, lr: float):
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -506,33 +517,43 @@ class MegatronModelWorker:
             self.optimizer = self._build_optimizer(self.lr)
         return self.optimizer
 
-    def save_checkpoint(self, ckpt_dir: str, save_format: str):
-        """Weights, optimizer state and this rank's RNG into ckpt_dir. Collective.
-        dist: Megatron distributed checkpoint (reshardable to another TP/PP); with adapters
-        (policy.peft) the adapters and their optimizer state alone, and a record of the base
-        (adapter_base.py);
-        hf: weights through the bridge (loadable by transformers) + per-rank optimizer state."""
+    def save_checkpoint(self, ckpt_dir: str, save_format: str) -> float:
+        """Weights, optimizer state and this rank's RNG into ckpt_dir. Collective. Returns the
+        seconds training was held.
+        dist: Megatron distributed checkpoint (reshardable to another TP/PP), written in the
+        background (dist_checkpoint.py) until finish_checkpoint; with adapters (policy.peft) the
+        adapters and their optimizer state alone, and a record of the base (adapter_base.py);
+        hf: weights through the bridge (loadable by transformers) + per-rank optimizer state,
+        written before this returns."""
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+        held = time.perf_counter()
         own_dir = os.path.join(ckpt_dir, self.name)
         optimizer = self._optimizer_ready()
         if self.rank == 0:
             os.makedirs(os.path.join(ckpt_dir, "rng"), exist_ok=True)
             os.makedirs(own_dir, exist_ok=True)
         dist.barrier()
+        torch.save({"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
+                    "lr": self.lr}, os.path.join(ckpt_dir, "rng", f"{self.name}_rank_{self.rank}.pt"))
         if save_format == "dist":
             model_state = self.bridge.checkpointed_state(self._inner_model())
-            dist_checkpoint.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(
-                model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir)
+            record = None
             if self.bridge.has_adapters and self.rank == 0:
                 self._base_digest = self._base_digest or weights_digest(self.base_dir)
-                record_base(own_dir, self.base_dir, self._base_digest)
+                record = functools.partial(record_base, own_dir, self.base_dir, self._base_digest)
+            self.background_save.start({"model": model_state, "optimizer": optimizer.sharded_state_dict(
+                model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir, on_finished=record)
         else:
             self.bridge.save_hf_weights(self.model, os.path.join(own_dir, "hf"))
             torch.save(optimizer.state_dict(), os.path.join(own_dir, f"optimizer_rank{self.rank}.pt"))
-        torch.save({"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
-                    "lr": self.lr}, os.path.join(ckpt_dir, "rng", f"{self.name}_rank_{self.rank}.pt"))
-        dist.barrier()
+            dist.barrier()
+        return time.perf_counter() - held
+
+    def finish_checkpoint(self, wait: bool) -> bool:
+        """Whether the last save_checkpoint is on disk whole on every rank (finalizing it once it
+        is); wait: block until it is. Collective."""
+        return self.background_save.finish(wait)
 
     def load_checkpoint(self, ckpt_dir: str, save_format: str):
         """Inverse of save_checkpoint. A dist checkpoint loads into any TP/PP layout."""

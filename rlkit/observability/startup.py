@@ -1,0 +1,72 @@
+"""Where the seconds from the command to the first training step go, phase by phase.
+
+The driver times its phases (Ray, each worker group until it answers, the warm start, the
+trainer's setup, validation before training); each worker times its own (what it imports, builds
+and loads) and the driver adds them as the breakdown of its group's phase. The run logs one line
+once the first step starts, and the first row of metrics.jsonl holds every figure as
+timing/startup/<phase> (timing/startup/<group>/<part> for the workers' parts)."""
+
+import os
+import time
+from contextlib import contextmanager
+
+
+def seconds_since_process_start() -> float:
+    """How long this process has run: the interpreter and the imports before any clock of rlkit's."""
+    import psutil
+
+    return max(time.time() - psutil.Process(os.getpid()).create_time(), 0.0)
+
+
+class PhaseTimes:
+    """A worker's own start-up: wall-clock time at construction, then named phases in order."""
+
+    def __init__(self):
+        self.entered = time.time()  # the driver's creation time subtracted from it: process start + module imports
+        self.phases: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+    def report(self) -> dict:
+        return {"entered": self.entered, "phases": dict(self.phases)}
+
+
+class StartupClock(PhaseTimes):
+    """The driver's phases, from the process start to the first step."""
+
+    def __init__(self):
+        super().__init__()
+        self.started = time.perf_counter() - seconds_since_process_start()
+        self.phases["python_imports"] = time.perf_counter() - self.started
+        self.parts: dict[str, dict[str, float]] = {}  # phase -> its workers' breakdown
+
+    def add_workers(self, name: str, created: float, reports: list[dict]) -> None:
+        """A worker group's breakdown: created is time.time() when its actors were asked for;
+        each part is the slowest rank's (the group is ready when its slowest rank is)."""
+        parts = {"process_start_imports": max(r["entered"] - created for r in reports)}
+        for report in reports:
+            for part, seconds in report["phases"].items():
+                parts[part] = max(parts.get(part, 0.0), seconds)
+        self.parts[name] = parts
+
+    def metrics(self) -> dict[str, float]:
+        figures = {f"timing/startup/{name}": seconds for name, seconds in self.phases.items()}
+        for name, parts in self.parts.items():
+            figures.update({f"timing/startup/{name}/{part}": seconds for part, seconds in parts.items()})
+        figures["timing/startup/total"] = time.perf_counter() - self.started
+        return figures
+
+    def line(self) -> str:
+        total = time.perf_counter() - self.started
+
+        def phase(name: str, seconds: float) -> str:
+            parts = self.parts.get(name)
+            inner = f" ({', '.join(f'{p} {s:.1f}' for p, s in parts.items())})" if parts else ""
+            return f"{name} {seconds:.1f}{inner}"
+        return f"start-up {total:.1f} s to the first step: " + "; ".join(phase(n, s) for n, s in self.phases.items())
