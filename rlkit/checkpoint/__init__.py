@@ -24,7 +24,6 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlkit.config.schema import CheckpointConfig, ConfigError
@@ -74,6 +73,8 @@ class CheckpointManager:
 
     def save(self, step: int, write_models, controller_state: dict, resolved: DictConfig) -> Path:
         """write_models(dir) writes the models' part (weights, optimizer, RNG) into dir."""
+        import torch  # here, not at the top: config checks use named_checkpoint
+
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -105,6 +106,8 @@ class CheckpointManager:
 
     @staticmethod
     def controller_state(path: Path) -> dict:
+        import torch
+
         return torch.load(path / "controller.pt", weights_only=False)
 
 
