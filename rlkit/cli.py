@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -106,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     pretrained.add_argument("--cache-dir", default=".rlkit_cache", help="cache directory (a recipe's run.cache_dir)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        # a log file: Ray colours the "[repeated Nx across cluster]" it puts in place of the lines
+        # its workers repeat, and says so at length; it gets each worker's line instead, plain.
+        # Read when Ray is imported (only commands that start workers import it, after this).
+        # Ray's coloured "(Worker pid=...)" prefixes: rlkit/cluster/ray_runtime.py
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
         commands = {"train": _train, "verify-refit": _verify_refit, "env": _env_check, "convert": _convert,
                     "pretrained": _pretrained}

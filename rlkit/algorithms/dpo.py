@@ -5,22 +5,23 @@ start on the chosen responses (algorithm.warm_start) becomes both the start and 
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from omegaconf import MISSING
 
-from rlkit.algorithms.loop import RunContext, TrainingData
-from rlkit.algorithms.losses import DPO_LOSS_TYPES, DPOLossConfig
 from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
-from rlkit.algorithms.objectives import DirectPreference
 from rlkit.algorithms.registry import AlgorithmConfig, AlgorithmSpec
 from rlkit.algorithms.sft import SFT, validate_file_data
 from rlkit.algorithms.warm_start import validate_warm_start
+from rlkit.config.choices import DPO_LOSS_TYPES
 from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig
-from rlkit.data.batch import Batch, BatchTotals
-from rlkit.data.packing import pack_sequences, pad_rows
 from rlkit.data.sft import file_identity, load_tokenized_splits, tokenize_preference_row
 from rlkit.data.stream import ShuffledStream
+
+# torch and Ray are imported in the methods that train, not here: loading a config imports this module
+if TYPE_CHECKING:
+    from rlkit.algorithms.loop import RunContext, TrainingData
+    from rlkit.data.batch import BatchTotals
 
 log = logging.getLogger("rlkit")
 
@@ -35,7 +36,9 @@ class DPOConfig(AlgorithmConfig):
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
 
-def load_pairs(cfg: RootConfig, tokenizer) -> TrainingData:
+def load_pairs(cfg: RootConfig, tokenizer) -> "TrainingData":
+    from rlkit.algorithms.loop import TrainingData
+
     train, val = load_tokenized_splits(cfg.data, functools.partial(tokenize_preference_row, tokenizer))
     return TrainingData(train, val, identity=file_identity(cfg.data.train_path))
 
@@ -44,7 +47,10 @@ class DPO(SFT):
     """Examples are (chosen_ids, chosen_mask, rejected_ids, rejected_mask); they become rows
     chosen_0, rejected_0, chosen_1, ... The frozen reference is the checkpoint at ctx.start_dir."""
 
-    def __init__(self, ctx: RunContext):
+    def __init__(self, ctx: "RunContext"):
+        from rlkit.algorithms.losses import DPOLossConfig
+        from rlkit.algorithms.objectives import DirectPreference
+
         cfg, policy = ctx.cfg, ctx.workers.policy
         super().__init__(cfg, policy, ctx.tokenizer.pad_token_id, ctx.data.val, pack=False,
                          rows_per_step=cfg.policy.train_global_batch_size // 2,
@@ -54,11 +60,14 @@ class DPO(SFT):
                                                         a.ld_alpha))
         policy.init_reference(str(ctx.start_dir))
 
-    def hold(self, pairs: list) -> BatchTotals:
+    def hold(self, pairs: list) -> "BatchTotals":
         """Right-padded rows (never packed: a pair's sequences are scored as wholes), padded with
         all-pad pairs so every split stays even, held on the workers with the reference's
         logprobs; their totals: pairs with a response, and chosen response tokens (the SFT
         term's denominator)."""
+        from rlkit.data.batch import BatchTotals
+        from rlkit.data.packing import pack_sequences, pad_rows
+
         examples = [seq for c_ids, c_mask, r_ids, r_mask in pairs for seq in ((c_ids, c_mask), (r_ids, r_mask))]
         rows = pack_sequences(examples, self.cfg.data.max_length, self.pad_id, pack=False).select(
             "input_ids", "loss_mask")
@@ -83,7 +92,7 @@ class DPO(SFT):
         return self.pair_metrics("val", sums, totals)
 
     @staticmethod
-    def pair_metrics(split: str, sums: dict, totals: BatchTotals) -> dict:
+    def pair_metrics(split: str, sums: dict, totals: "BatchTotals") -> dict:
         """Loss, and per-pair means of the objective's sums (accuracy, margins, logprobs)."""
         n = max(totals.num_sequences, 1.0)
         means = {f"{split}/{'preference_accuracy' if k == 'accuracy' else k}": sums[k] / n
@@ -92,7 +101,7 @@ class DPO(SFT):
         return {f"{split}/loss": sums["loss"], **means}
 
 
-def warm_start_on_chosen(cfg: RootConfig, policy, tokenizer, data: TrainingData, out_dir) -> None:
+def warm_start_on_chosen(cfg: RootConfig, policy, tokenizer, data: "TrainingData", out_dir) -> None:
     """SFT on the chosen responses (packed) before DPO."""
     w = cfg.algorithm.warm_start
     sft = SFT(cfg, policy, tokenizer.pad_token_id, [], pack=True, rows_per_step=w.batch_size,

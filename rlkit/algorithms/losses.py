@@ -11,9 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlkit.config.choices import DPO_LOSS_TYPES, IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlkit.data.batch import BatchTotals
-
-LOSS_AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, totals: BatchTotals,
@@ -50,7 +49,6 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, totals: Batch
     raise ValueError(f"unknown loss aggregation '{mode}'; choose one of {LOSS_AGGREGATIONS}")
 
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+")
 # exp of a larger log-ratio overflows float32's range for no useful value (verl bounds it the same)
 LOG_RATIO_BOUND = 20.0
 # GSPO's sequence log-ratio is bounded above at 10, as verl bounds it: exp(10) is far past any clip
@@ -93,9 +91,6 @@ def kl_estimate(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estima
     if estimator in ("k3", "low_var_kl"):
         return kl_k3(logprobs, reference_logprobs)
     raise ValueError(f"unknown KL estimator '{estimator}'; choose one of {KL_ESTIMATORS}")
-
-
-IMPORTANCE_RATIOS = ("token", "sequence")
 
 
 def importance_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
@@ -224,7 +219,6 @@ def preference_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, ld_alp
     return (torch.where(keep, token_logprobs, torch.zeros_like(token_logprobs)) * weight).sum(dim=1)
 
 
-DPO_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "ipo", "hinge", "robust")
 LENGTH_NORMALISED_LOSSES = ("sigmoid_norm", "ipo")  # their margin is on per-token log-ratios
 
 

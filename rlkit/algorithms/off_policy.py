@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from rlkit.algorithms.losses import LOG_RATIO_BOUND, sequence_logprobs
+from rlkit.config.choices import OFF_POLICY_CORRECTIONS
 from rlkit.data.batch import Batch
-
-OFF_POLICY_CORRECTIONS = ("none", "token_tis", "seq_mask")
 
 
 def off_policy_weights(old_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -7,6 +7,11 @@ next to your own recipes) whose `name` is the module: a built-in short name (grp
 reinforce_pp, ppo, sft, dpo) or an importable module path (`my_package.my_algorithm`). The
 launch path (rlkit/launch/run.py) reads the spec: which config keys the algorithm has and how to
 check them, which data and workers it needs, and how to build its trainer.
+
+Loading a config imports the module (its config keys and checks), so the built-ins keep torch,
+Ray and Megatron out of it: they name their trainer, data loading and estimators with Lazy, or
+import those inside the functions that run them. rlkit's help texts and config errors then
+answer in well under a second (benchmarks/cli_latency.py, tests/unit/test_cli_startup.py).
 """
 
 import importlib
@@ -32,6 +37,19 @@ class AlgorithmConfig:
 
 def no_checks(cfg: RootConfig, dp: int) -> None:
     pass
+
+
+@dataclass(frozen=True)
+class Lazy:
+    """A spec's callable named as "module:attribute" (e.g. "rlkit.algorithms.policy_gradient:
+    PolicyGradientTrainer"), imported at its first call, when the run starts, not when the
+    config loads."""
+
+    target: str
+
+    def __call__(self, *args, **kwargs):
+        module, _, attribute = self.target.partition(":")
+        return getattr(importlib.import_module(module), attribute)(*args, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,17 @@ step = one optimizer step on policy.train_global_batch_size examples (packed if 
 
 import functools
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from rlkit.algorithms.loop import RunContext, TrainingData
 from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
-from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.algorithms.registry import AlgorithmConfig, AlgorithmSpec
 from rlkit.config.schema import ConfigError, RootConfig
-from rlkit.data.batch import Batch, batch_totals
-from rlkit.data.packing import pack_sequences, pad_rows
 from rlkit.data.sft import load_tokenized_splits, tokenize_sft_row
+
+# torch and Ray are imported in the methods that train, not here: loading a config imports this module
+if TYPE_CHECKING:
+    from rlkit.algorithms.loop import RunContext, TrainingData
+    from rlkit.data.batch import Batch
 
 
 @dataclass
@@ -20,7 +21,9 @@ class SFTConfig(AlgorithmConfig):
     pass
 
 
-def load_examples(cfg: RootConfig, tokenizer) -> TrainingData:
+def load_examples(cfg: RootConfig, tokenizer) -> "TrainingData":
+    from rlkit.algorithms.loop import TrainingData
+
     train, val = load_tokenized_splits(cfg.data, functools.partial(tokenize_sft_row, tokenizer))
     return TrainingData(train, val)
 
@@ -35,12 +38,14 @@ class SFT:
 
     def __init__(self, cfg: RootConfig, policy, pad_id: int, val_examples: list, pack: bool, rows_per_step: int,
                  lr: LearningRateSchedule):
+        from rlkit.algorithms.objectives import NextTokenNLL
+
         self.cfg, self.policy, self.pad_id, self.pack = cfg, policy, pad_id, pack
         self.val_examples, self.rows_per_step, self.lr = val_examples, rows_per_step, lr
         self.objective = NextTokenNLL()
 
     @classmethod
-    def from_context(cls, ctx: RunContext) -> "SFT":
+    def from_context(cls, ctx: "RunContext") -> "SFT":
         return cls(ctx.cfg, ctx.workers.policy, ctx.tokenizer.pad_token_id, ctx.data.val, ctx.cfg.data.pack,
                    ctx.cfg.policy.train_global_batch_size, schedule_of(ctx.cfg.policy.optimizer, ctx.cfg.algorithm.num_steps))
 
@@ -50,12 +55,16 @@ class SFT:
         self.policy.set_learning_rate(lr)
         return {"train/lr": lr}
 
-    def batch(self, examples: list) -> Batch:
+    def batch(self, examples: list) -> "Batch":
         """Rows (packed if self.pack), padded with empty rows to a multiple of DP x micro-batch."""
+        from rlkit.data.packing import pack_sequences, pad_rows
+
         rows = pack_sequences(examples, self.cfg.data.max_length, self.pad_id, self.pack)
         return pad_rows(rows, self.policy.layout.dp_size * self.cfg.policy.micro_batch_size, self.pad_id)
 
     def step(self, rows: Iterator[list], step: int) -> dict:
+        from rlkit.data.batch import batch_totals
+
         batch = self.batch(next(rows))
         lr = self.set_learning_rate(step)
         metrics = self.policy.train(batch, batch_totals(batch["loss_mask"]), self.objective)
@@ -65,6 +74,8 @@ class SFT:
                 "train/tokens_per_row": batch["segment_ids"].gt(0).sum().item() / len(batch)}
 
     def validate(self) -> dict:
+        from rlkit.data.batch import batch_totals
+
         if not self.val_examples:
             return {}
         batch = self.batch(self.val_examples)

@@ -4,22 +4,26 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlkit.algorithms.lr_schedule import check_learning_rate
-from rlkit.algorithms.objectives import NextTokenNLL
-from rlkit.cluster.groups import ModelWorkers
 from rlkit.config.schema import ConfigError, RootConfig
-from rlkit.data.batch import batch_totals, supervised_batch
 from rlkit.data.stream import ShuffledStream
 from rlkit.models.resolve import cache_key
+
+if TYPE_CHECKING:  # Ray: loading a config imports this module (validate_warm_start)
+    from rlkit.cluster.groups import ModelWorkers
 
 log = logging.getLogger("rlkit")
 
 
-def sft_steps(policy: ModelWorkers, tokenizer, dataset, steps: int, batch_size: int, lr: float,
+def sft_steps(policy: "ModelWorkers", tokenizer, dataset, steps: int, batch_size: int, lr: float,
               seed: int) -> list[float]:
     """`steps` optimizer steps of NLL on the ground-truth answer + EOS after each prompt's tokens
     (dataset: Prompts, rlkit/data/prompts.py). Returns the loss of each step."""
+    from rlkit.algorithms.objectives import NextTokenNLL
+    from rlkit.data.batch import batch_totals, supervised_batch
+
     rows = ShuffledStream(dataset, batch_size, seed)
     policy.set_learning_rate(lr)
     losses = []
@@ -35,7 +39,7 @@ def sft_steps(policy: ModelWorkers, tokenizer, dataset, steps: int, batch_size: 
     return losses
 
 
-def cached_warm_start(policy: ModelWorkers, out_dir: Path, train) -> None:
+def cached_warm_start(policy: "ModelWorkers", out_dir: Path, train) -> None:
     """Run `train()`, save the policy as an HF checkpoint at out_dir, atomically (a half-written
     directory never looks complete), and drop the optimizer state, so a run that just did the
     warm start and one that loaded it from the cache train on alike."""

@@ -7,13 +7,15 @@ What both build the same way (RL settings, local layer spec, value and fp32 LM h
 export) lives in common.py."""
 
 from abc import ABC, abstractmethod
-from typing import Iterator
-
-import torch
+from typing import TYPE_CHECKING, Iterator
 
 from rlkit.bridge.adapters import check_peft
-from rlkit.bridge.common import RowExport, unwrap
 from rlkit.config.schema import ConfigError, PeftConfig
+
+if TYPE_CHECKING:  # loading a config reads this package's names and checks: no torch for those
+    import torch
+
+    from rlkit.bridge.common import RowExport
 
 # policy.attention_backend: torch SDPA (sdpa_attention.py) or Megatron's unfused DotProductAttention
 ATTENTION_BACKENDS = ("sdpa", "local")
@@ -57,14 +59,14 @@ class ModelBridge(ABC):
         """The checkpoint's weights (hf_dir, else the bridge's own) into the chunks. Collective."""
 
     @abstractmethod
-    def export_hf_weights(self, chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, chunks: list) -> Iterator[tuple[str, "torch.Tensor"]]:
         """Yield (hf_name, tensor) gathered across TP/PP/EP, one tensor at a time, in the same order
         at every call. Collective: every model-parallel rank must iterate it to the end. No
         autograd: the broadcasts and gathers inside must not record graphs on parameters that
         require grad."""
 
     @abstractmethod
-    def export_rows(self, chunks: list) -> RowExport | None:
+    def export_rows(self, chunks: list) -> "RowExport | None":
         """The export as row moves (common.probe_rows): for each HF tensor, in export order, the
         Megatron parameter rows it is made of. Only where this rank holds every weight (TP=PP=EP=1,
         one chunk); None otherwise, or where a conversion does more than move rows. The caller
@@ -105,6 +107,8 @@ class ModelBridge(ABC):
     def load_trunk_weights(self, critic_chunks: list, bf16: bool):
         """Initialise a critic from the HF checkpoint: every weight but the LM head (which the
         critic replaced). Goes through a temporary LM so the bridge's own name mapping is used."""
+        from rlkit.bridge.common import unwrap
+
         lm = self.build(bf16=bf16, wrap_with_ddp=False)
         self.load_hf_weights(lm)
         for lm_chunk, critic_chunk in zip(lm, critic_chunks):
@@ -116,7 +120,7 @@ class ModelBridge(ABC):
                                    f"unexpected {unexpected[:3]}")
 
 
-def open_bridge(bridge: str, hf_dir: str, params_dtype: torch.dtype, attention_backend: str,
+def open_bridge(bridge: str, hf_dir: str, params_dtype: "torch.dtype", attention_backend: str,
                 peft: PeftConfig | None = None) -> ModelBridge:
     """The policy.bridge backend over the checkpoint in hf_dir; attention_backend (one of
     ATTENTION_BACKENDS) is the core attention of every model it builds where TransformerEngine is

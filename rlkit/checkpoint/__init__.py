@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlkit.config.schema import CheckpointConfig, ConfigError
@@ -102,6 +101,8 @@ class CheckpointManager:
     def save(self, step: int, models: SavedModels, controller_state: dict, resolved: DictConfig) -> float:
         """Start checkpoint `step` (after finishing the one before it): the models write their part
         in the background, finish() makes it whole. Returns the seconds it held training."""
+        import torch  # here, not at the top: config checks use named_checkpoint
+
         self.finish(wait=True)
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"{final.name}.tmp-{os.getpid()}"
@@ -156,6 +157,8 @@ class CheckpointManager:
 
     @staticmethod
     def controller_state(path: Path) -> dict:
+        import torch
+
         return torch.load(path / "controller.pt", weights_only=False)
 
 

@@ -4,6 +4,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +20,8 @@ def join_or_start_ray(cfg: ClusterConfig) -> bool:
     """Returns True if this call started a local cluster (the caller shuts it down)."""
     if ray.is_initialized():
         return False
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):  # a log file: no colour codes in the
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # "(Worker pid=...)" prefix the driver prints
     key, address = ("cluster.address", cfg.address) if cfg.address else ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS"))
     if address and address != "local":  # "local": Ray's name for a new local cluster
         _wait_for_cluster(key, address, cfg.connect_timeout_s)
@@ -38,15 +41,25 @@ def _start_local(cfg: ClusterConfig) -> None:
     # Windows. Single-machine while the node starts; its IP is fixed from then on.
     multi_node = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
+    # Ray turns token authentication on for a new cluster (RAY_AUTH_MODE unset) and warns that it
+    # did, advising how to opt out; it stays on, and the advice is noise for a loopback-only cluster
+    token_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    token_log.addFilter(_token_auth_notice)
     try:
         # address="local" ignores a stale /tmp/ray/ray_current_cluster
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
                  object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
+        token_log.removeFilter(_token_auth_notice)
     # include_dashboard=False still starts the dashboard's head process (usage stats and a metrics
     # port); Ray runs on without it, as it does when that process fails to start.
     ray._private.worker._global_node.kill_dashboard(check_alive=False)
+
+
+def _token_auth_notice(record: logging.LogRecord) -> bool:
+    """False (drop it) for Ray's "Token authentication is enabled for this Ray cluster" warning."""
+    return not record.getMessage().startswith("Token authentication is enabled")
 
 
 def _wait_for_cluster(key: str, address: str, timeout_s: float) -> None:

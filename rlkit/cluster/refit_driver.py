@@ -35,10 +35,6 @@ from rlkit.workers.generation.hf import HFGenerationWorker
 from rlkit.workers.generation.vllm import VLLMGenerationWorker
 from rlkit.workers.policy.megatron import MegatronModelWorker as Policy
 
-TRANSPORTS = ("cpu", "cuda_ipc", "nccl")
-# refit.peft: what a policy.peft run's refit moves
-PEFT_MODES = ("merged", "adapter")
-
 
 class RefitDriver:
     def __init__(self, cfg: RootConfig, policy: ModelWorkers, generation: GenerationWorkers, placement_group,

@@ -109,7 +109,7 @@ class RefitConfig:
     verify_checksums: bool = MISSING
     keep_fp32: list[str] = MISSING
     channel_host: str = MISSING
-    # policy.peft runs: merged | adapter (rlkit/cluster/refit_driver.py PEFT_MODES)
+    # policy.peft runs: merged | adapter (rlkit/config/choices.py PEFT_MODES)
     peft: str = MISSING
 
 

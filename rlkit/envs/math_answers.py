@@ -11,14 +11,11 @@ environments run in worker threads; so each call is bounded by the runner instea
 import logging
 import re
 
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
 from rlkit.envs.base import EnvStep, Environment
 
 # it warns at every call that runs without its own timeout; the runner bounds calls here
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 _HASHES = re.compile(r"####\s*([^\n]+)")
-_EXTRACTION = [LatexExtractionConfig(), ExprExtractionConfig()]
 
 
 def extract_answer(text: str) -> str | None:
@@ -38,12 +35,17 @@ def extract_answer(text: str) -> str | None:
 
 def _parsed(answer: str) -> list:
     """math-verify's reading of one final answer (as inline math: `$...$`)."""
+    # imported at the first check, not where a config naming this environment is checked (sympy: ~1 s)
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
     cleaned = answer.strip().strip("$").replace(",", "") if re.fullmatch(r"[\d,.$\s-]+", answer) else answer
-    return parse(f"${cleaned}$", _EXTRACTION, parsing_timeout=None)
+    return parse(f"${cleaned}$", [LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None)
 
 
 def answers_match(response: str, ground_truth: str) -> bool:
     """Whether the response's final answer (boxed or after `####`) equals the ground truth's."""
+    from math_verify import verify
+
     answer, truth = extract_answer(response), extract_answer(ground_truth) or ground_truth
     if answer is None:
         return False

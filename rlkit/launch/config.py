@@ -1,7 +1,11 @@
 """Compose a recipe with Hydra, check it against the schema, then check cross-key consistency:
 what every run needs, what runs with rollouts need, then the algorithm's own checks (its spec),
 then that the run's directories can be written, and last that the run can do something at all
-(rlkit/launch/preflight.py). Every problem is one ConfigError line: `key: problem (got: value); fix`."""
+(rlkit/launch/preflight.py). Every problem is one ConfigError line: `key: problem (got: value); fix`.
+
+Nothing here imports torch, Ray or Megatron, nor may anything it imports (the algorithm modules
+included): the CLI's help texts and config errors come from here, in well under a second
+(benchmarks/cli_latency.py; tests/unit/test_cli_startup.py holds it to that)."""
 
 import difflib
 import importlib.util
@@ -24,12 +28,11 @@ from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports
 from rlkit.bridge.adapters import check_peft
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.cluster.refit_driver import PEFT_MODES, TRANSPORTS
+from rlkit.config.choices import OFFLOAD_MODES, PEFT_MODES, TRANSPORTS
 from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig
 from rlkit.envs.base import check_environment_config
 from rlkit.launch.preflight import check_config
 from rlkit.models.tiny import ARCHITECTURES, TINY_EXPERTS, TINY_HEADS, parse_tiny
-from rlkit.workers.policy.offload import OFFLOAD_MODES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # data.name -> config groups of that kind, for error messages
@@ -43,14 +46,50 @@ def recipe_names(recipes_dir: Path = RECIPES_DIR) -> list[str]:
     return sorted(p.stem for p in Path(recipes_dir).glob("*.yaml"))
 
 
-def _unknown_key(full_key: str, known: DictConfig) -> ConfigError:
-    """The unknown-key error, with the closest key at the same level of `known` when one is close
-    (algorithm.kl_coeff -> algorithm.kl_coef)."""
-    parent, _, leaf = full_key.rpartition(".")
-    node = OmegaConf.select(known, parent) if parent else known
-    near = difflib.get_close_matches(leaf, list(node.keys()) if isinstance(node, DictConfig) else [], n=1)
-    hint = f" (did you mean {parent + '.' if parent else ''}{near[0]}?)" if near else ""
+def _unknown_key(full_key: str, known: DictConfig, at: str = "") -> ConfigError:
+    """The unknown-key error, naming the keys of `known` (the whole config, or its section at the
+    dotted path `at`) that full_key may have meant (_near_keys)."""
+    relative = full_key.removeprefix(f"{at}.") if at else full_key
+    near = [f"{at}.{key}" if at else key for key in _near_keys(relative, known)]
+    hint = f" (did you mean {' or '.join(near)}?)" if near else ""
     return ConfigError(f"{full_key}: unknown key; remove it or fix its spelling{hint}")
+
+
+def _near_keys(key: str, known: DictConfig) -> list[str]:
+    """The keys of `known` that `key` may have meant: each part of its path that is not there
+    replaced by the closest name at that level (algorithm.kl_coeff -> algorithm.kl_coef,
+    polcy.num_workers -> policy.num_workers); a last part that is not at its level but deeper in
+    that section found there (policy.lr, polcy.lr -> policy.optimizer.lr); else the path as far as
+    a misspelling could be corrected (polcy.no_such_key -> policy). Empty when nothing is close."""
+    parts, path, node = key.split("."), [], known
+    for i, part in enumerate(parts):
+        names = [str(name) for name in node.keys()] if isinstance(node, DictConfig) else []
+        names = [name for name in names if path or name != "hydra"]  # Hydra's own settings, not the run's
+        name = part if part in names else next(iter(difflib.get_close_matches(part, names, n=1)), None)
+        if name is None:
+            deeper = _paths_ending_in(node, part) if i == len(parts) - 1 and isinstance(node, DictConfig) else []
+            if deeper:
+                return [".".join([*path, found]) for found in deeper]
+            return [".".join(path)] if path != parts[:len(path)] else []
+        path.append(name)
+        node = OmegaConf.select(node, name, throw_on_missing=False, throw_on_resolution_failure=False)
+    return [".".join(path)] if path != parts else []
+
+
+def _paths_ending_in(node: DictConfig, name: str) -> list[str]:
+    """The dotted paths under `node` whose last part is `name` (at most three, the shallowest first)."""
+    found, level = [], [((), node)]
+    while level and len(found) < 3:
+        deeper = []
+        for path, config in level:
+            for key in config.keys():
+                child = OmegaConf.select(config, str(key), throw_on_missing=False, throw_on_resolution_failure=False)
+                if str(key) == name:
+                    found.append(".".join([*path, str(key)]))
+                if isinstance(child, DictConfig):
+                    deeper.append(((*path, str(key)), child))
+        level = deeper
+    return found[:3]
 
 
 def compose_recipe(name: str, overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> DictConfig:
@@ -68,7 +107,13 @@ def compose_recipe(name: str, overrides: list[str], recipes_dir: Path = RECIPES_
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         unknown = re.match(r"Could not override '([^']+)'", first)
         if unknown:
-            raise _unknown_key(unknown.group(1), compose_recipe(name, [], recipes_dir)) from None
+            # OmegaConf's error holds the section that lacks the key (the whole config for a
+            # misspelled group); only without it is the recipe composed again to find near keys
+            key, section = unknown.group(1), getattr(e.__cause__, "parent_node", None)
+            at = str(getattr(e.__cause__, "full_key", "")).rpartition(".")[0]
+            if isinstance(section, DictConfig) and (not at or key.startswith(f"{at}.")):
+                raise _unknown_key(key, section, at) from None
+            raise _unknown_key(key, compose_recipe(name, [], recipes_dir)) from None
         raise ConfigError(f"recipe '{name}': {first}") from None
     finally:
         GlobalHydra.instance().clear()

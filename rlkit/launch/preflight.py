@@ -11,15 +11,18 @@ answer fits the token budget.
 import inspect
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from rlkit.algorithms.loop import TrainingData
 from rlkit.algorithms.registry import load_algorithm
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.files import foreign_file
 from rlkit.data.synthetic import generated_sets, refused
 from rlkit.envs.base import Environment, import_target
+
+if TYPE_CHECKING:  # torch and Ray: check_config runs as a config loads
+    from rlkit.algorithms.loop import TrainingData
 
 log = logging.getLogger("rlkit")
 
@@ -84,7 +87,7 @@ def check_resumed_schedule(cfg: RootConfig, saved: DictConfig, checkpoint_dir: P
                               f"fresh run (another run.name, or checkpoint.resume=none)")
 
 
-def check_prompts(cfg: RootConfig, data: TrainingData, tokenizer) -> None:
+def check_prompts(cfg: RootConfig, data: "TrainingData", tokenizer) -> None:
     """RL, once the prompts are loaded: every row holds the fields the environment reads, and the
     token budget of a response can hold the environment's correct answers."""
     env = import_target(cfg.env["_target_"])

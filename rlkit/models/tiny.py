@@ -12,8 +12,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "glm4_moe", "llama")
 TINY_HEADS = (4, 2)  # (attention heads, key/value heads) of every tiny model
 TINY_EXPERTS = {"qwen3_moe": 4, "glm4_moe": 4}  # routed experts of each tiny MoE architecture (top-2 of them per token)
@@ -88,6 +86,7 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, hidden_size: int = 6
 
     The vocabulary is padded to a multiple of 64 (as real checkpoints do) so any TP <= 64 divides it.
     """
+    import torch  # here, not at the top: config checks read this module's names
     from transformers import AutoModelForCausalLM
 
     if arch not in ARCHITECTURES:

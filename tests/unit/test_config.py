@@ -453,10 +453,19 @@ def test_unknown_recipe_lists_the_recipes():
     ("algorithm.kl_coeff=0.1", "did you mean algorithm.kl_coef?"),  # Hydra refuses it
     ("+algorithm.kl_coeff=0.1", "did you mean algorithm.kl_coef?"),  # the schema refuses it
     ("+polcy.num_workers=2", "did you mean policy?"),
+    ("polcy.num_workers=2", "did you mean policy.num_workers?"),  # a misspelled group, then its key
+    ("polcy.lr=1e-5", "did you mean policy.optimizer.lr?"),  # ... whose key lies a level deeper
+    ("policy.lr=1e-5", "did you mean policy.optimizer.lr?"),
+    ("algorithm.lr=1e-5", "did you mean algorithm.warm_start.lr?"),
+    ("polcy.no_such_key=1", "did you mean policy?"),  # the group alone, where no key is near
 ])
 def test_unknown_key_suggests_the_near_one(override, suggestion):
     message = load_error([override])
     assert "unknown key; remove it or fix its spelling" in message and message.endswith(f"({suggestion})")
+
+
+def test_unknown_key_without_a_near_one_suggests_nothing():
+    assert load_error(["policy.zzz_qqq=1"]).endswith("policy.zzz_qqq: unknown key; remove it or fix its spelling")
 
 
 def test_unknown_group_option():

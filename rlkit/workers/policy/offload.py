@@ -12,8 +12,6 @@ import time
 
 import torch
 
-OFFLOAD_MODES = ("all", "optimizer", "none")
-
 
 class HostOffload:
     def __init__(self, pin: bool):
