@@ -1,8 +1,10 @@
-"""One GRPO workload, end to end, on rlkit (and on a peer, run after it on the same GPU): seconds
-per phase of the steady steps (the median over steps 2..N), the whole step, tokens/s, MFU, and how
-much of the step is not generation, logprob or training compute.
+"""One GRPO workload, end to end, on rlkit and on its peers, one after the other on the same GPU:
+the seconds from the launch to the first step, the first step, the steady steps (the median over
+steps 2..N) and their phases, tokens/s, MFU, and how much of the step is not generation, logprob
+or training compute.
 
     python3 benchmarks/e2e.py --model smollm2 --out e2e_smollm2.json
+    python3 benchmarks/e2e.py --model smollm2 --trl --compare verl.json --out e2e.json   (TRL run here, verl's result added)
     python3 benchmarks/e2e.py --model qwen3-1.7b --response-tokens 1024 --out e2e_1.7b.json
     python3 benchmarks/e2e.py --model tiny --recipe grpo_tiny_cpu --steps 3 ...     (a CPU dry run)
 
@@ -60,7 +62,7 @@ def rlkit_overrides(w: Workload, model_dir: Path, run_dir: Path, cache_dir: Path
     overrides = [
         f"policy.model_path={model_dir}", f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}",
         f"run.cache_dir={cache_dir}", f"algorithm.num_steps={w.steps}", f"algorithm.val_every={10 ** 6}",
-        "checkpoint.every=0", f"algorithm.prompts_per_step={w.prompts_per_step}",
+        "checkpoint.every=0", "algorithm.val_before_training=false", f"algorithm.prompts_per_step={w.prompts_per_step}",
         f"algorithm.group_size={w.group_size}", f"algorithm.kl_coef={w.kl_coef}", "algorithm.warm_start.sft_steps=0",
         f"generation.max_new_tokens={w.response_tokens}", "generation.ignore_eos=true", "generation.temperature=1.0",
         f"env_runner.max_total_tokens={w.response_tokens}", f"data.max_prompt_tokens={w.max_prompt_tokens}",
@@ -84,10 +86,13 @@ def run_rlkit(w: Workload, recipe: str, model_dir: Path, work_dir: Path, timeout
                *rlkit_overrides(w, model_dir, run_dir, work_dir / "cache", vllm), *extra]
     with open(work_dir / "rlkit.log", "w") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=True, cwd=ROOT)
-    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m["step"] >= 1]
+    rows = list(map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()))
+    steps = [m for m in rows if m["step"] >= 1]
     per_step = [{**{phase: sum(m.get(k, 0.0) for k in keys) for phase, keys in RLKIT_PHASES.items()},
                  "step": m["timing/step"], **{k: m[k] for k in RLKIT_FIGURES if k in m}} for m in steps]
-    return {"command": " ".join(command[1:]), **summary(per_step)}
+    startup = {k.removeprefix("timing/startup/"): v for k, v in rows[0].items() if k.startswith("timing/startup/")}
+    return {"framework": "rlkit", "command": " ".join(command[1:]), "to_first_step_s": startup["total"],
+            "first_step_s": per_step[0]["step"], "startup": startup, **summary(per_step)}
 
 
 def summary(per_step: list[dict]) -> dict:
@@ -126,7 +131,9 @@ def main():
     parser.add_argument("--out", required=True, help="JSON with both frameworks' phases and the ratios")
     parser.add_argument("--timeout", type=int, default=540, help="seconds per framework")
     parser.add_argument("--rlkit-overrides", nargs="*", default=[], help="extra rlkit key=value (e.g. policy.offload=none)")
-    parser.add_argument("--compare", help="a peer's result (benchmarks/e2e_verl.py --out): add it and the ratios")
+    parser.add_argument("--compare", nargs="*", default=[],
+                        help="peers' results (benchmarks/e2e_verl.py or e2e_trl.py --out): added, with the ratios")
+    parser.add_argument("--trl", action="store_true", help="run TRL's GRPOTrainer on the workload after rlkit")
     for field, value in asdict(Workload()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(value) if not isinstance(value, bool)
                             else lambda s: s.lower() == "true", default=value)
@@ -140,17 +147,27 @@ def main():
     result = {"machine": device, "model": args.model, "workload": asdict(workload),
               "rlkit": run_rlkit(workload, args.recipe, model_dir, work_dir, args.timeout,
                                  vllm=torch.cuda.is_available(), extra=args.rlkit_overrides)}
-    if args.compare:
-        peer = json.loads(Path(args.compare).read_text())
-        result["peer"] = peer
-        result["ratio_rlkit_over_peer"] = {k: result["rlkit"]["median"][k] / v for k, v in peer["median"].items()
-                                           if v and k in result["rlkit"]["median"]}
+    peers = [json.loads(Path(path).read_text()) for path in args.compare]
+    if args.trl:
+        from e2e_trl import run_trl
+        peers.append(run_trl(workload, model_dir, work_dir / "trl", args.timeout, args.recipe))
+    result["peers"] = {peer["framework"]: peer for peer in peers}
+    result["ratio_rlkit_over_peer"] = {peer["framework"]: ratios(result["rlkit"], peer) for peer in peers}
     Path(args.out).write_text(json.dumps(result, indent=1))
-    m = result["rlkit"]["median"]
-    print("rlkit " + " ".join(f"{k} {v:.3g}" for k, v in m.items()) +
-          f" | outside compute {result['rlkit']['outside_compute_fraction']:.1%}")
+    for name, run in [("rlkit", result["rlkit"]), *result["peers"].items()]:
+        print(f"{name}: launch to first step {run.get('to_first_step_s', float('nan')):.1f} s, first step "
+              f"{run.get('first_step_s', float('nan')):.2f} s, steady " +
+              " ".join(f"{k} {v:.3g}" for k, v in run["median"].items()))
+
+
+def ratios(rlkit: dict, peer: dict) -> dict:
+    """rlkit's figure over the peer's: start-up, first step and each steady phase both report."""
+    both = {k: (rlkit["median"][k], v) for k, v in peer["median"].items() if k in rlkit["median"]}
+    both.update({k: (rlkit[k], peer[k]) for k in ("to_first_step_s", "first_step_s") if k in rlkit and k in peer})
+    return {k: mine / theirs for k, (mine, theirs) in both.items() if theirs}
 
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     main()

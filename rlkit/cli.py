@@ -20,9 +20,10 @@ def _train(args) -> int:
         return 0
     from rlkit.algorithms.loop import RunStopped
     from rlkit.launch.run import train
+    from rlkit.observability.startup import StartupClock
 
     try:
-        result = train(cfg, resolved)
+        result = train(cfg, resolved, StartupClock(from_process_start=True))
     except RunStopped as e:
         print(f"rlkit: {e}", file=sys.stderr)
         return 128 + signal.Signals[e.reason]

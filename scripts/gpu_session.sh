@@ -5,6 +5,8 @@
 #   bash scripts/gpu_session.sh bridge-run <s> <mbridge|megatron_bridge> [overrides]    the SmolLM2 recipe on one bridge
 #   bash scripts/gpu_session.sh lora-run <s> <merged|adapter> [overrides]    the same with LoRA rank 16 on every linear layer; refit.peft as named
 #   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> [train_mfu.py args]    end-to-end and training-throughput benchmarks
+#     (e2e <s> smollm2 --trl: TRL's GRPOTrainer on the same workload after rlkit; trl in the wheel list: EXTRA_WHEELS)
+#   bash scripts/gpu_session.sh startup-run <s> <label> [overrides]    SmolLM2 recipe, 9 steps: start-up phases, checkpoints every 3
 #   bash scripts/gpu_session.sh e2e-verl [seconds] [e2e_verl.py args]    verl 0.9.1 on SmolLM2 from /tmp/site-verl (scripts/verl_stack.sh)
 #   bash scripts/gpu_session.sh async <s> <k,...> [async_grpo.py args]    async GRPO: SmolLM2, disaggregated on 2 GPUs, per
 #     max_staleness (one per call: async 590 0 --timeout 570, then async 590 1 --timeout 570; results merge in /tmp/async_grpo.json)
@@ -41,7 +43,14 @@ bridge_run() {  # bridge_run <s> <label> <bridge> [overrides]: the SmolLM2 recip
   tail -3 "$OUT/smollm2_$2.log"
   cp "outputs/smollm2_$2/metrics.jsonl" "$OUT/metrics_$2.jsonl" 2>/dev/null
 }
+startup_run() {  # startup_run <s> <label> [overrides]: the SmolLM2 recipe, 9 steps, a checkpoint every 3 (in the background)
+  timeout "$1" python3 -m rlkit.cli train --config-name grpo_smollm2_gpu run.name="startup_$2" algorithm.num_steps=9 \
+    algorithm.val_every=100 checkpoint.every=3 "${@:3}" > "$OUT/startup_$2.log" 2>&1
+  grep "start-up\|checkpoint step_" "$OUT/startup_$2.log" | tail -8
+  cp "outputs/startup_$2/metrics.jsonl" "$OUT/metrics_startup_$2.jsonl" 2>/dev/null
+}
 case "$1" in
+  startup-run) smollm2; startup_run "$2" "$3" "${@:4}" ;;  # startup-run <s> <label> [overrides]: start-up phases, background checkpoints
   bridge-run) smollm2; bridge_run "$2" "$3" "$3" "${@:4}" ;;  # bridge-run <s> <mbridge|megatron_bridge> [overrides]
   lora-run) smollm2; bridge_run "$2" "lora_$3" megatron_bridge "$LORA16" "refit.peft=$3" "${@:4}" ;;  # lora-run <s> <merged|adapter> [overrides]
   smollm2-gap) smollm2; gap ;;

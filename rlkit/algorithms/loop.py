@@ -63,12 +63,14 @@ class Trainer(Protocol):
 
     def validate(self) -> dict: ...
 
-    def save(self, checkpoint_dir: str) -> float:
+    def save(self, checkpoint_dir: str) -> dict[str, float]:
         """Start writing every model's weights, optimizer state and RNG into checkpoint_dir (the
-        models' workers write in the background). Returns the seconds it held training."""
+        models' workers write in the background). Returns the seconds it held training ("held"),
+        and in which parts."""
 
-    def saved(self, wait: bool) -> bool:
-        """Whether what the last save started is on disk whole; wait: block until it is."""
+    def saved(self, wait: bool) -> dict[str, str] | None:
+        """None while what the last save started is being written; once it is on disk whole (wait:
+        block until then), {path: SHA-256} of the files the workers' background writers made."""
 
     def load(self, checkpoint_dir: str, step: int) -> None:
         """What save wrote after `step`."""
@@ -114,8 +116,8 @@ def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: Shu
             checkpoints.finish(wait=False)  # the checkpoint written since an earlier step, if it is on disk
             due = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == a.num_steps or why
             if due:  # started, never completed before the step is logged: a whole checkpoint's step always is
-                metrics["timing/checkpoint_held"] = checkpoints.save(step, trainer, {"step": step, "rows": rows.state()},
-                                                                     resolved)
+                held = checkpoints.save(step, trainer, {"step": step, "rows": rows.state()}, resolved)
+                metrics.update({f"timing/checkpoint_{part}": seconds for part, seconds in held.items()})
             logger.log(step, metrics)
             log.info(console_line(step, a.num_steps, metrics, (time.perf_counter() - started) / (step - first + 1)))
             if due and (why or step == a.num_steps or not cfg.checkpoint.background):

@@ -237,7 +237,7 @@ class PolicyGradientTrainer:
         summary = episodes.summary("val")
         return {**refit_metrics, **hand_over, **{k: summary[k] for k in ("val/reward", "val/accuracy") if k in summary}}
 
-    def save(self, checkpoint_dir: str) -> float:
+    def save(self, checkpoint_dir: str) -> dict[str, float]:
         """The policy, and the rollouts launched ahead (max_staleness > 0): generated from
         weights the checkpoint no longer holds, they are saved rather than made again."""
         held = self.policy.save_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
@@ -245,7 +245,7 @@ class PolicyGradientTrainer:
             torch.save(self.rollouts.pending(), Path(checkpoint_dir) / PENDING_ROLLOUTS)
         return held
 
-    def saved(self, wait: bool) -> bool:
+    def saved(self, wait: bool) -> dict[str, str] | None:
         return self.policy.finish_checkpoint(wait)
 
     def load(self, checkpoint_dir: str, step: int):

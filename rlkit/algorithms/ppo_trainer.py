@@ -86,11 +86,13 @@ class PPO(PolicyGradientTrainer):
         return out
 
     # the critic is always saved as a Megatron dist checkpoint: its value head has no HF name
-    def save(self, checkpoint_dir: str) -> float:
-        return max(super().save(checkpoint_dir), self.critic.save_checkpoint(checkpoint_dir, "dist"))
+    def save(self, checkpoint_dir: str) -> dict[str, float]:
+        policy, critic = super().save(checkpoint_dir), self.critic.save_checkpoint(checkpoint_dir, "dist")
+        return {part: policy.get(part, 0.0) + critic.get(part, 0.0) for part in {**policy, **critic}}
 
-    def saved(self, wait: bool) -> bool:
-        return all([super().saved(wait), self.critic.finish_checkpoint(wait)])  # both asked, every time
+    def saved(self, wait: bool) -> dict[str, str] | None:
+        policy, critic = super().saved(wait), self.critic.finish_checkpoint(wait)  # both asked, every time
+        return None if policy is None or critic is None else {**policy, **critic}
 
     def load(self, checkpoint_dir: str, step: int):
         super().load(checkpoint_dir, step)

@@ -82,10 +82,10 @@ class SFT:
         self.policy.hold(batch)
         return {"val/loss": self.policy.evaluate_held(batch_totals(batch["loss_mask"]), self.objective)["loss"]}
 
-    def save(self, checkpoint_dir: str) -> float:
+    def save(self, checkpoint_dir: str) -> dict[str, float]:
         return self.policy.save_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
 
-    def saved(self, wait: bool) -> bool:
+    def saved(self, wait: bool) -> dict[str, str] | None:
         return self.policy.finish_checkpoint(wait)
 
     def load(self, checkpoint_dir: str, step: int):

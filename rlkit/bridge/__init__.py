@@ -120,6 +120,15 @@ class ModelBridge(ABC):
                                    f"unexpected {unexpected[:3]}")
 
 
+def import_backend(bridge: str) -> None:
+    """Import the policy.bridge backend's modules (and its library) ahead of open_bridge; an unknown
+    name is left for open_bridge to refuse."""
+    if bridge == "mbridge":
+        import rlkit.bridge.mbridge_backend  # noqa: F401
+    elif bridge == "megatron_bridge":
+        import rlkit.bridge.megatron_bridge_backend  # noqa: F401
+
+
 def open_bridge(bridge: str, hf_dir: str, params_dtype: "torch.dtype", attention_backend: str,
                 peft: PeftConfig | None = None) -> ModelBridge:
     """The policy.bridge backend over the checkpoint in hf_dir; attention_backend (one of

@@ -11,8 +11,9 @@ Layout of <run_dir>/checkpoints/step_000042/:
 A checkpoint is written into step_N.tmp-<pid> and renamed when complete, so a directory named
 step_N is always whole. The models' workers write their part in the background while training
 goes on (save() returns once they hold a copy of their state); finish() completes the checkpoint
-once they are done: the manifest, written last by a thread here, then the rename. So a directory
-named step_N is always whole; leftovers of a killed write are never read and are removed. A whole
+once they are done: the manifest (with the SHA-256 of the files the workers wrote, which they
+took as they wrote them), written last, then the rename. So a directory named step_N is always
+whole; leftovers of a killed write are never read and are removed. A whole
 checkpoint is trusted only once its files match its manifest: a file lost or damaged since (a
 rank's RNG file, a truncated shard) is found before any worker starts, and the run resumes from
 the newest intact checkpoint instead.
@@ -25,7 +26,7 @@ import os
 import re
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -41,12 +42,13 @@ MANIFEST = "manifest.json"
 
 
 class SavedModels(Protocol):
-    def save(self, checkpoint_dir: str) -> float:
+    def save(self, checkpoint_dir: str) -> dict[str, float]:
         """Start writing the models' part (weights, optimizer, RNG) into checkpoint_dir; the
-        seconds it held training."""
+        seconds it held training ("held"), and in which parts."""
 
-    def saved(self, wait: bool) -> bool:
-        """Whether that part is on disk whole; wait: block until it is."""
+    def saved(self, wait: bool) -> dict[str, str] | None:
+        """None while that part is being written; once it is on disk whole (wait: block until
+        then), {path: SHA-256} of the files written in the background."""
 
 
 @dataclass
@@ -56,7 +58,6 @@ class _Writing:
     final: Path
     models: SavedModels
     started: float
-    finishing: Future | None = None  # the manifest and rename, once the models' files are written
 
 
 class CheckpointManager:
@@ -64,7 +65,6 @@ class CheckpointManager:
         self.cfg = cfg
         self.root = Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"
         self.writing: _Writing | None = None
-        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-manifest")
 
     def complete(self) -> list[Path]:
         """Whole checkpoints, oldest first."""
@@ -98,9 +98,10 @@ class CheckpointManager:
                               f"another one, or use auto to take the newest intact one")
         return path
 
-    def save(self, step: int, models: SavedModels, controller_state: dict, resolved: DictConfig) -> float:
+    def save(self, step: int, models: SavedModels, controller_state: dict, resolved: DictConfig) -> dict[str, float]:
         """Start checkpoint `step` (after finishing the one before it): the models write their part
-        in the background, finish() makes it whole. Returns the seconds it held training."""
+        in the background, finish() makes it whole. Returns the seconds the models held training
+        ("held"), and in which parts."""
         import torch  # here, not at the top: config checks use named_checkpoint
 
         self.finish(wait=True)
@@ -113,7 +114,8 @@ class CheckpointManager:
         torch.save(controller_state, tmp / "controller.pt")
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         self.writing = _Writing(tmp, final, models, started)
-        log.info("checkpoint %s: training held %.2f s, the rest is written in the background", final.name, held)
+        log.info("checkpoint %s: training held %.2f s (%s), the rest is written in the background", final.name,
+                 held["held"], ", ".join(f"{part} {s:.2f}" for part, s in held.items() if part != "held"))
         return held
 
     def finish(self, wait: bool) -> Path | None:
@@ -122,17 +124,11 @@ class CheckpointManager:
         writing = self.writing
         if writing is None:
             return None
-        if writing.finishing is None:
-            if not writing.models.saved(wait):
-                return None
-            writing.finishing = self._finisher.submit(self._make_whole, writing)
-        if not (wait or writing.finishing.done()):
+        digests = writing.models.saved(wait)
+        if digests is None:
             return None
         self.writing = None
-        return writing.finishing.result()
-
-    def _make_whole(self, writing: _Writing) -> Path:
-        _write_manifest(writing.tmp)
+        _write_manifest(writing.tmp, {Path(path).resolve(): digest for path, digest in digests.items()})
         if writing.final.exists():  # a resumed run re-reaching a step it had already saved
             shutil.rmtree(writing.final)
         os.replace(writing.tmp, writing.final)
@@ -190,20 +186,23 @@ def verify(path: Path, checksums: bool = True) -> str | None:
             return f"{name} has {file.stat().st_size} bytes, {entry['bytes']} when written"
     if checksums:
         names = list(entries)
-        for name, digest in zip(names, _digests([path / name for name in names])):
+        for name, digest in zip(names, file_digests([path / name for name in names])):
             if digest != entries[name]["sha256"]:
                 return f"{name} differs from what was written (SHA-256 mismatch)"
     return None
 
 
-def _write_manifest(directory: Path):
+def _write_manifest(directory: Path, known: dict[Path, str]):
+    """known: digests already taken of some of the files (by the writers that wrote them), by
+    resolved path."""
     files = sorted(p for p in directory.rglob("*") if p.is_file())
-    entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": digest}
-               for p, digest in zip(files, _digests(files))}
+    missing = [p for p in files if p.resolve() not in known]
+    digests = {**{p: known[p.resolve()] for p in files if p.resolve() in known}, **dict(zip(missing, file_digests(missing)))}
+    entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": digests[p]} for p in files}
     (directory / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
 
 
-def _digests(files: list[Path]) -> list[str]:
+def file_digests(files: list[Path]) -> list[str]:
     """SHA-256 of each file, several at once (hashlib releases the GIL on large reads)."""
     def digest(path: Path) -> str:
         sha = hashlib.sha256()

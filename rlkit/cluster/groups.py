@@ -137,13 +137,17 @@ class ModelWorkers:
         reports = [r for r in self.workers.every_rank(Model.wake) if r]
         return _copy_metrics(f"{self.role}_wake", reports) if reports else {}
 
-    def save_checkpoint(self, directory: str, save_format: str) -> float:
-        """Starts it (see finish_checkpoint); the seconds it held the slowest rank."""
-        return max(self.workers.every_rank(Model.save_checkpoint, directory, save_format))
+    def save_checkpoint(self, directory: str, save_format: str) -> dict[str, float]:
+        """Starts it (see finish_checkpoint); the seconds it held training ("held": the slowest
+        rank's), and each part's slowest rank."""
+        reports = self.workers.every_rank(Model.save_checkpoint, directory, save_format)
+        return {part: max(r[part] for r in reports) for part in reports[0]}
 
-    def finish_checkpoint(self, wait: bool) -> bool:
-        """Whether the last checkpoint is written whole (with wait: once it is)."""
-        return all(self.workers.every_rank(Model.finish_checkpoint, wait))
+    def finish_checkpoint(self, wait: bool) -> dict[str, str] | None:
+        """None while the last checkpoint is being written; once it is whole (with wait: once it
+        is), {path: SHA-256} of the files the ranks' background writers made."""
+        answers = self.workers.every_rank(Model.finish_checkpoint, wait)
+        return None if answers[0] is None else {path: digest for answer in answers for path, digest in answer.items()}
 
     def load_checkpoint(self, directory: str, save_format: str):
         self.workers.every_rank(Model.load_checkpoint, directory, save_format)

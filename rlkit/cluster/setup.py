@@ -89,20 +89,22 @@ def _start_groups(cfg, model_dir, pg, placement, device, started, with_generatio
     c = cfg.cluster
     # Generation first: vLLM sizes its KV cache from the free memory it measures at start-up,
     # which a policy allocating on the same GPU at the same time would falsify.
+    # The policy's processes start and import meanwhile; they build once the engines are up.
     generation = None
+    created = time.time()
     if with_generation:
         generation_cls, generation_args = _generation_worker(cfg, model_dir)
         with clock.phase("generation_workers"):
-            created = time.time()
             generation = GenerationWorkers(WorkerGroup("generation", generation_cls, pg, placement.generation_bundles,
                                                        placement.share, device, generation_args, c.call_timeout_s))
+            policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
             generation.sleep()  # also waits until every engine is up
         clock.add_workers("generation_workers", created, generation.workers.every_rank(Engine.startup_phases))
-    with clock.phase("policy_workers"):
-        created = time.time()
+    else:
         policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
-        reports = policy.every_rank(Model.startup_phases)  # once every rank is built and loaded
-    clock.add_workers("policy_workers", created, reports)
+    with clock.phase("policy_workers"):
+        _set_up(policy, pg, placement)
+    clock.add_workers("policy_workers", created, policy.every_rank(Model.startup_phases))
     _log_nodes(policy, generation.workers if generation else None)
     return RunWorkers(ModelWorkers(policy), generation, pg, started, placement, device)
 
@@ -118,18 +120,27 @@ def start_critic(cfg: RootConfig, workers: RunWorkers, model_dir: str) -> ModelW
     """PPO's critic: the policy's layout and optimizer settings (learning rate algorithm.critic.lr),
     a value head on the trunk of the checkpoint at model_dir, on the policy's bundles."""
     critic_cfg = replace(cfg.policy, optimizer=replace(cfg.policy.optimizer, lr=cfg.algorithm.critic.lr))
-    workers.critic = ModelWorkers(_megatron_group("critic", cfg, critic_cfg, model_dir, workers.placement_group,
-                                                 workers.placement, workers.device, head="value"))
+    critic = _megatron_group("critic", cfg, critic_cfg, model_dir, workers.placement_group, workers.placement,
+                             workers.device, head="value")
+    _set_up(critic, workers.placement_group, workers.placement)
+    workers.critic = ModelWorkers(critic)
     return workers.critic
 
 
 def _megatron_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, placement, device: str,
                     head: str) -> WorkerGroup:
+    """The model's worker processes, started and importing; _set_up builds them."""
     c = cfg.cluster
-    master_addr, master_port = rendezvous_address(pg, placement.policy_bundles[0])
     return WorkerGroup(
         role, Model, pg, placement.policy_bundles, placement.share, device,
         lambda rank: dict(cfg=model_cfg, model_dir=model_dir, rank=rank, world_size=model_cfg.num_workers,
-                          master_addr=master_addr, master_port=master_port, seed=cfg.run.seed,
-                          threads=c.threads_per_worker, collective_timeout_s=c.collective_timeout_s, head=head),
+                          seed=cfg.run.seed, threads=c.threads_per_worker, collective_timeout_s=c.collective_timeout_s,
+                          head=head),
         c.call_timeout_s)
+
+
+def _set_up(group: WorkerGroup, pg, placement: Placement) -> None:
+    """A model's ranks join one process group (a port free now, on the first rank's node), build
+    the model and load its weights."""
+    master_addr, master_port = rendezvous_address(pg, placement.policy_bundles[0])
+    group.every_rank(Model.setup, master_addr, master_port)

@@ -3,8 +3,10 @@
 Methods are named by the worker class's own function (`group.every_rank(MegatronModelWorker.sleep)`),
 never by a string, so an editor and a reader can follow a call to the code it runs."""
 
+import re
 import socket
 import time
+import weakref
 from typing import Any, Callable
 
 import ray
@@ -17,6 +19,9 @@ Method = Callable  # a function of the worker class, e.g. MegatronModelWorker.sl
 
 class WorkerError(RuntimeError):
     pass
+
+
+_LIVE_GROUPS: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()  # to name a dead worker of another group
 
 
 # A worker killed inside a collective first shows up as its peers' errors ("connection closed by
@@ -51,6 +56,7 @@ class WorkerGroup:
             ).remote(**make_args(rank))
             for rank, bundle in enumerate(bundle_indices)
         ]
+        _LIVE_GROUPS.add(self)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -74,7 +80,7 @@ class WorkerGroup:
             try:
                 ray.get(ready[0])
             except RayActorError as e:
-                raise WorkerError(f"{self.role} worker {rank} died during '{what}': {e}") from None
+                raise WorkerError(f"{self._who_died(e, rank)} died during '{what}': {e}") from None
             except RayTaskError as e:
                 death = self._first_death(pending, owner, deadline)
                 if death is not None:
@@ -83,6 +89,18 @@ class WorkerGroup:
                                       f"(worker {rank} then failed: {e.cause!r})") from None
                 raise WorkerError(f"{self.role} worker {rank} failed in '{what}':\n{e}") from None
         return ray.get(list(refs))
+
+    def _who_died(self, error: RayActorError, rank: int) -> str:
+        """Which worker the error is about: this group's worker `rank`, or, when that worker's call
+        could not start because an input came from a worker that died (a refit bucket from a
+        policy rank), the dead worker of the group it belongs to."""
+        # the dead actor's id: the error's own, or the one of the input's error it quotes
+        dead = {getattr(error, "actor_id", None), *re.findall(r"actor_id: ([0-9a-f]+)", str(error))}
+        for group in list(_LIVE_GROUPS):
+            for r, actor in enumerate(group.actors):
+                if group is not self and actor._actor_id.hex() in dead:
+                    return f"{group.role} worker {r} (whose result {self.role} worker {rank} needed)"
+        return f"{self.role} worker {rank}"
 
     @staticmethod
     def _first_death(pending: list, owner: dict, deadline: float) -> tuple[int, RayActorError] | None:

@@ -32,9 +32,10 @@ from rlkit.workers.policy.adapter_base import check_base, recorded_base
 log = logging.getLogger("rlkit")
 
 
-def train(cfg: RootConfig, resolved: DictConfig) -> RunResult:
-    """Train cfg.algorithm.name; returns the run's metrics history and folder."""
-    clock = StartupClock()
+def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = None) -> RunResult:
+    """Train cfg.algorithm.name; returns the run's metrics history and folder. clock: where the
+    start-up's phases are timed (default: from this call)."""
+    clock = clock or StartupClock()
     algorithm = load_algorithm(cfg.algorithm.name)
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir)

@@ -38,12 +38,15 @@ class PhaseTimes:
 
 
 class StartupClock(PhaseTimes):
-    """The driver's phases, from the process start to the first step."""
+    """The driver's phases to the first step: from the process start (the command line's run,
+    whose interpreter and imports are a phase), or from now."""
 
-    def __init__(self):
+    def __init__(self, from_process_start: bool = False):
         super().__init__()
-        self.started = time.perf_counter() - seconds_since_process_start()
-        self.phases["python_imports"] = time.perf_counter() - self.started
+        self.started = time.perf_counter()
+        if from_process_start:
+            self.started -= seconds_since_process_start()
+            self.phases["python_imports"] = time.perf_counter() - self.started
         self.parts: dict[str, dict[str, float]] = {}  # phase -> its workers' breakdown
 
     def add_workers(self, name: str, created: float, reports: list[dict]) -> None:

@@ -118,6 +118,7 @@ def test_dist_checkpoint_loads_into_another_tensor_parallel_size(ray_cluster, ma
                 mask = torch.ones(8, 10)
                 workers.policy.train(batch.with_fields(loss_mask=mask), batch_totals(mask), NextTokenNLL())
                 workers.policy.save_checkpoint(str(tmp_path), "dist")
+                workers.policy.finish_checkpoint(wait=True)
             else:
                 workers.policy.load_checkpoint(str(tmp_path), "dist")
             saved[name] = workers.policy.logprobs(batch)
@@ -187,7 +188,8 @@ def test_distributed_optimizer_resumes_exactly(ray_cluster, make_cfg, tiny_qwen2
                 workers.policy.load_checkpoint(str(tmp_path), "dist")
             workers.policy.train(batch, batch_totals(mask), NextTokenNLL())
             after[name] = workers.policy.logprobs(batch)
-            assert workers.policy.finish_checkpoint(wait=True)
+            if name == "continued":
+                assert workers.policy.finish_checkpoint(wait=True)  # the digests of the files written
         finally:
             workers.shutdown()
     assert torch.equal(after["continued"], after["resumed"])

@@ -38,3 +38,13 @@ def test_three_grpo_steps(ray_cluster, make_cfg, placement):
     assert "val/accuracy" in result.history[2] and "val/accuracy" in result.history[3]
     lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]
+    # where the start-up went, once, in the first row: the driver's phases and each group's parts
+    startup = {k.removeprefix("timing/startup/"): v for k, v in result.history[0].items()
+               if k.startswith("timing/startup/")}
+    assert not [k for m in result.history[1:] for k in m if k.startswith("timing/startup/")]
+    for phase in ["model_tokenizer_data", "ray", "generation_workers", "policy_workers",
+                  "trainer_setup", "validation", "policy_workers/megatron_imports", "policy_workers/build",
+                  "policy_workers/hf_load", "generation_workers/build"]:
+        assert 0 < startup[phase] < startup["total"], phase
+    driver = ["model_tokenizer_data", "ray", "generation_workers", "policy_workers", "trainer_setup", "validation"]
+    assert sum(startup[p] for p in driver) <= startup["total"] < sum(startup[p] for p in driver) + 10

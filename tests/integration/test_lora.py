@@ -46,8 +46,9 @@ def worker(make_cfg, model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    policy = MegatronModelWorker(cfg.policy, str(model_dir), rank=0, world_size=1, master_addr="127.0.0.1",
-                                 master_port=port, seed=0, threads=2, collective_timeout_s=120)
+    policy = MegatronModelWorker(cfg.policy, str(model_dir), rank=0, world_size=1, seed=0, threads=2,
+                                 collective_timeout_s=120)
+    policy.setup("127.0.0.1", port)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in _adapters(policy).values():
@@ -186,6 +187,7 @@ def test_an_adapter_checkpoint_holds_the_adapters_and_a_record_of_their_base(wor
     restores every adapter and leaves the frozen base to its HF checkpoint."""
     saved = {name: param.detach().clone() for name, param in worker.model[0].named_parameters()}
     worker.save_checkpoint(str(tmp_path), "dist")
+    worker.finish_checkpoint(wait=True)
     record = json.loads((tmp_path / "policy" / "base.json").read_text())
     assert record == {"hf_dir": worker.base_dir, "weights_sha256": weights_digest(worker.base_dir)}
     written = sum(path.stat().st_size for path in (tmp_path / "policy").rglob("*") if path.is_file())

@@ -1,6 +1,7 @@
 """Checkpoints are trusted only once verified against their manifest: each kind of damage is found
 and named, auto-resume falls back to the newest intact checkpoint, and pruning keeps it."""
 
+import hashlib
 import logging
 import os
 import re
@@ -25,9 +26,9 @@ class Models:
     in the background."""
 
     def __init__(self, polls=0):
-        self.polls, self.shard = polls, None
+        self.polls, self.shard, self.digest = polls, None, {}
 
-    def save(self, directory) -> float:
+    def save(self, directory) -> dict:
         os.makedirs(f"{directory}/policy")
         os.makedirs(f"{directory}/rng")
         self.shard = f"{directory}/policy/__0_0.distcp"
@@ -37,17 +38,19 @@ class Models:
             f.write(b"metadata" * 64)
         for rank in range(2):
             torch.save({"torch": torch.get_rng_state()}, f"{directory}/rng/policy_rank_{rank}.pt")
-        return 0.25
+        return {"held": 0.25, "stage": 0.125}
 
-    def saved(self, wait: bool) -> bool:
+    def saved(self, wait: bool) -> dict[str, str] | None:
+        """The writers' digest of the shard, as they report it."""
         if not wait and self.polls > 0:
             self.polls -= 1
-            return False
+            return None
         if self.shard:
             with open(self.shard, "ab") as f:
                 f.write(os.urandom(2048))
+            self.digest = {self.shard: hashlib.sha256(open(self.shard, "rb").read()).hexdigest()}
             self.shard = None
-        return True
+        return self.digest
 
 
 def save(checkpoints, step, models=None):
@@ -146,17 +149,16 @@ def test_a_checkpoint_saved_at_another_expert_parallel_size_is_one_config_error(
 
 def test_a_checkpoint_is_whole_only_once_its_background_write_is(tmp_path):
     """While the models' workers write, the checkpoint is neither listed nor resumed; each poll
-    asks them without waiting; the next save waits for it; the manifest covers what they wrote last."""
+    asks them without waiting; the next save waits for it; the manifest holds the digest the
+    writers took of what they wrote last, and the controller's of the rest."""
     checkpoints = manager(tmp_path)
     first = save(checkpoints, 1)
     held = checkpoints.save(2, Models(polls=2), {"step": 2}, OmegaConf.create({"run": {"seed": 0}}))
-    assert held == 0.25
+    assert held == {"held": 0.25, "stage": 0.125}
     assert checkpoints.finish(wait=False) is None and checkpoints.finish(wait=False) is None
     assert checkpoints.complete() == [first] and checkpoints.to_resume() == first
     assert any(".tmp-" in p.name for p in tmp_path.iterdir())
     newest = checkpoints.finish(wait=False)
-    while newest is None:  # the manifest is written by a thread
-        newest = checkpoints.finish(wait=False)
     assert newest.name == "step_000002" and verify(newest) is None
     assert (newest / "policy/__0_0.distcp").stat().st_size == 4096
     assert checkpoints.complete() == [first, newest] and checkpoints.finish(wait=False) is None

@@ -144,11 +144,11 @@ def saved_run(tmp_path, dirs, *overrides) -> None:
 
 
 class NoModels:
-    def save(self, directory) -> float:
-        return 0.0
+    def save(self, directory) -> dict:
+        return {"held": 0.0}
 
-    def saved(self, wait: bool) -> bool:
-        return True
+    def saved(self, wait: bool) -> dict:
+        return {}
 
 
 @pytest.mark.parametrize("key, saved, asked", [("algorithm.max_staleness", 1, 2), ("algorithm.num_steps", 4, 6)])

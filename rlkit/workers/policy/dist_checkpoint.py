@@ -5,7 +5,8 @@ collective part), then every tensor it will write is copied into host buffers th
 once and reused (pinned on a GPU: one device-to-host copy at link speed; cloned on a CPU, where
 the planned tensors are the live ones). A thread then writes those copies to disk while the
 worker trains. `finish` (collective, at a step boundary) finalizes once every rank's thread is
-done: the global metadata, metadata.json.
+done: the global metadata, metadata.json. The thread also takes the SHA-256 of every file it
+wrote, for the checkpoint's manifest, so completing the checkpoint never re-reads the shards.
 
 This is megatron-core's own asynchronous save (`async_sharded_save=True`), scheduled differently:
 megatron-core runs the write in a forked process per file, handing results back through a
@@ -18,8 +19,11 @@ an in-process queue, so no process is started and a killed worker leaves nothing
 import queue
 import threading
 import time
+from pathlib import Path
 
 import torch
+
+from rlkit.checkpoint import file_digests
 
 ON_GPU = torch.cuda.is_available()
 
@@ -30,47 +34,59 @@ class BackgroundSave:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.on_finished = None
+        self.digests: dict[str, str] = {}  # path of each file the thread wrote -> its SHA-256
         self.staging: dict[tuple[int, int], torch.Tensor] = {}  # (file, item) -> host copy, reused
+        # one strategy for every save: from the third on it reuses the global save plan (the
+        # model's layout does not change), and access integrity is validated at the first only
+        self.strategy = None
 
     @property
     def pending(self) -> bool:
         return self.request is not None
 
-    def start(self, sharded_state_dict: dict, directory: str, on_finished=None) -> float:
+    def start(self, sharded_state_dict: dict, directory: str, on_finished=None) -> dict[str, float]:
         """Plan the save, copy what it writes to host memory and start writing it. Collective.
         on_finished() runs on every rank once the checkpoint is whole. Returns the seconds the
-        caller was held."""
+        caller was held in each part (plan, stage)."""
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies import filesystem_async
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         assert not self.pending, "the previous checkpoint is still being written"
-        held = time.perf_counter()
+        start = time.perf_counter()
         # the writer's lazily created results queue: a Manager process unless set here
         if not isinstance(filesystem_async._results_queue, queue.Queue):
             filesystem_async._results_queue = queue.Queue()
-        request = dist_checkpointing.save(sharded_state_dict, directory, async_sharded_save=True)
+        first = self.strategy is None
+        if first:
+            self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+        request = dist_checkpointing.save(sharded_state_dict, directory, self.strategy,
+                                          validate_access_integrity=first, async_sharded_save=True)
+        planned = time.perf_counter()
         transforms, buckets, results = [], [], None
         if request.async_fn is not None:  # None: nothing of this rank's is written
             _, buckets, results = request.async_fn_args
             buckets = self._stage(buckets)
             transforms = request.async_fn.args[0]
-        self.request, self.on_finished, self.error = request, on_finished, None
+        self.request, self.on_finished, self.error, self.digests = request, on_finished, None, {}
         self.thread = threading.Thread(target=self._write, args=(transforms, buckets, results),
                                        name="checkpoint-writer", daemon=True)
         self.thread.start()
-        return time.perf_counter() - held
+        return {"plan": planned - start, "stage": time.perf_counter() - planned}
 
-    def finish(self, wait: bool) -> bool:
-        """Whether no save is pending any more on any rank: finalizes it when every rank's write is
-        done (or, with wait, once they are). Collective; every rank gets the same answer."""
+    def finish(self, wait: bool) -> dict[str, str] | None:
+        """None while a rank is still writing; once every rank's write is done (with wait: once it
+        is) the save is finalized and this rank's {path: SHA-256} of the files its thread wrote is
+        returned (again on later calls, until the next save). Collective; every rank gets the same
+        answer."""
         if not self.pending:
-            return True
+            return self.digests
         if wait:
             self.thread.join()
         done = torch.tensor([0 if self.thread.is_alive() else 1], device="cuda" if ON_GPU else "cpu")
         torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
         if not done.item():
-            return False
+            return None
         failed = torch.tensor([1 if self.error else 0], device=done.device)
         torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
         request, self.request = self.request, None
@@ -81,7 +97,7 @@ class BackgroundSave:
             finalize()
         if self.on_finished:
             self.on_finished()
-        return True
+        return self.digests
 
     def _stage(self, buckets: list) -> list:
         """The buckets with every tensor replaced by its host copy, in buffers kept for the next save."""
@@ -115,6 +131,8 @@ class BackgroundSave:
                 if isinstance(outcome, Exception):
                     raise outcome
                 written[index] = outcome
+            paths = [path for path, _, _ in buckets]
+            self.digests = dict(zip(paths, file_digests([Path(p) for p in paths])))
             if results is not None:
                 results.put(written)
         except BaseException as e:  # reported by finish(), on every rank

@@ -60,22 +60,36 @@ def optional_kernels_missing() -> list[str]:
 
 
 class MegatronModelWorker:
-    def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, master_addr: str,
-                 master_port: int, seed: int, threads: int, collective_timeout_s: float, head: str = "lm"):
+    def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, seed: int, threads: int,
+                 collective_timeout_s: float, head: str = "lm"):
+        """Imports only, no device memory: a run starts these processes while its generation engines
+        start (vLLM sizes its KV cache from the GPU memory it sees free then). setup() builds."""
         self.startup = PhaseTimes()
         torch.set_num_threads(threads)
         with self.startup.phase("megatron_imports"):
             if not ON_GPU:
                 from rlkit.workers.policy import cpu_compat
                 cpu_compat.enable()
-            else:
-                torch.cuda.set_device(0)  # Ray gives each actor its GPU as device 0
-            from megatron.core import parallel_state as mpu
-            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+            import megatron.core.parallel_state  # noqa: F401
+            import megatron.core.tensor_parallel.random  # noqa: F401
 
-            from rlkit.bridge import open_bridge
-        self.cfg = cfg
-        self.rank = rank
+            from rlkit.bridge import import_backend
+            import_backend(cfg.bridge)
+        self.cfg, self.rank, self.head = cfg, rank, head
+        self._setup_args = (model_dir, world_size, seed, collective_timeout_s)
+
+    def setup(self, master_addr: str, master_port: int):
+        """Join the process group (its rendezvous at master_addr:master_port), build the model and
+        load its weights. Collective."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        from rlkit.bridge import open_bridge
+
+        cfg, rank, head = self.cfg, self.rank, self.head
+        model_dir, world_size, seed, collective_timeout_s = self._setup_args
+        if ON_GPU:
+            torch.cuda.set_device(0)  # Ray gives each actor its GPU as device 0
         with self.startup.phase("process_group"):
             init_process_group("nccl" if ON_GPU else "gloo", master_addr, master_port, rank, world_size,
                                timedelta(seconds=collective_timeout_s), node_address=ray.util.get_node_ip_address())
@@ -86,7 +100,7 @@ class MegatronModelWorker:
         self.mpu = mpu
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
-        self.bf16, self.head = cfg.precision == "bf16", head
+        self.bf16 = cfg.precision == "bf16"
         self.base_dir = model_dir  # the HF checkpoint under policy.peft's adapters (init_reference may replace it)
         self._base_digest = None  # its weights_digest, taken at the first adapter checkpoint
         self.name = "policy" if head == "lm" else "critic"  # its folder in a checkpoint
@@ -517,9 +531,9 @@ class MegatronModelWorker:
             self.optimizer = self._build_optimizer(self.lr)
         return self.optimizer
 
-    def save_checkpoint(self, ckpt_dir: str, save_format: str) -> float:
+    def save_checkpoint(self, ckpt_dir: str, save_format: str) -> dict[str, float]:
         """Weights, optimizer state and this rank's RNG into ckpt_dir. Collective. Returns the
-        seconds training was held.
+        seconds training was held ("held"), and in which parts.
         dist: Megatron distributed checkpoint (reshardable to another TP/PP), written in the
         background (dist_checkpoint.py) until finish_checkpoint; with adapters (policy.peft) the
         adapters and their optimizer state alone, and a record of the base (adapter_base.py);
@@ -536,23 +550,27 @@ class MegatronModelWorker:
         dist.barrier()
         torch.save({"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
                     "lr": self.lr}, os.path.join(ckpt_dir, "rng", f"{self.name}_rank_{self.rank}.pt"))
+        parts = {}
         if save_format == "dist":
             model_state = self.bridge.checkpointed_state(self._inner_model())
             record = None
             if self.bridge.has_adapters and self.rank == 0:
                 self._base_digest = self._base_digest or weights_digest(self.base_dir)
                 record = functools.partial(record_base, own_dir, self.base_dir, self._base_digest)
-            self.background_save.start({"model": model_state, "optimizer": optimizer.sharded_state_dict(
-                model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir, on_finished=record)
+            state = {"model": model_state, "optimizer": optimizer.sharded_state_dict(
+                model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}
+            parts["state_dict"] = time.perf_counter() - held
+            parts.update(self.background_save.start(state, own_dir, on_finished=record))
         else:
             self.bridge.save_hf_weights(self.model, os.path.join(own_dir, "hf"))
             torch.save(optimizer.state_dict(), os.path.join(own_dir, f"optimizer_rank{self.rank}.pt"))
             dist.barrier()
-        return time.perf_counter() - held
+        return {"held": time.perf_counter() - held, **parts}
 
-    def finish_checkpoint(self, wait: bool) -> bool:
-        """Whether the last save_checkpoint is on disk whole on every rank (finalizing it once it
-        is); wait: block until it is. Collective."""
+    def finish_checkpoint(self, wait: bool) -> dict[str, str] | None:
+        """None while the last save_checkpoint is being written on some rank; once it is whole
+        (finalized here; wait: block until then), {path: SHA-256} of the files this rank's
+        writer made. Collective."""
         return self.background_save.finish(wait)
 
     def load_checkpoint(self, ckpt_dir: str, save_format: str):
