@@ -208,7 +208,7 @@ def parse_summary(text: str) -> dict:
 
 def record_suite(args) -> int:
     result = {**parse_summary(Path(args.log).read_text(errors="replace")),
-              "command": ".venv/bin/python -m pytest tests", "commit": git_commit(), "date": today(),
+              "command": ".venv/bin/python -m pytest tests", "commit": args.commit or git_commit(), "date": today(),
               "machine": machine()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     SUITE.write_text(json.dumps(result, indent=2) + "\n")
@@ -237,6 +237,7 @@ def main(argv=None) -> int:
     measure.set_defaults(run=measure_main_job)
     suite = commands.add_parser("record-suite", help="record a full pytest run's summary line")
     suite.add_argument("log", help="a file holding pytest's output (its last summary line is used)")
+    suite.add_argument("--commit", help="the commit the run tested (default: the checkout's)")
     suite.set_defaults(run=record_suite)
     commands.add_parser("write", help="fill the README's marked figures").set_defaults(run=write)
     args = parser.parse_args(argv)
