@@ -25,26 +25,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-
-@dataclass(frozen=True)
-class Workload:
-    prompts_per_step: int = 64
-    group_size: int = 8
-    response_tokens: int = 512
-    max_prompt_tokens: int = 256
-    micro_batch_per_gpu: int = 16  # rows per forward/backward (64 x 768 tokens of fp32 logits over a 49k vocab: out of memory)
-    train_global_batch: int = 256  # samples per optimizer step
-    lr: float = 1e-6
-    steps: int = 5
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = False  # False: vLLM captures CUDA graphs
-    seed_per_request: bool = False  # False: sampled as the peer samples, without a seed per request
-    kl_coef: float = 0.0
+from e2e_workload import Workload  # noqa: E402
 
 
 # rlkit metric -> phase (several add up); the step is timing/step
@@ -112,7 +99,6 @@ def model_dir_for(name: str, cache_dir: Path) -> Path:
         from rlkit.models.pretrained import smollm2_135m_instruct
         return smollm2_135m_instruct(cache_dir)
     if name == "qwen3-1.7b":
-        sys.path.insert(0, str(ROOT / "benchmarks"))
         from common import qwen3_checkpoint
         return qwen3_checkpoint("1.5b", cache_dir / "models")
     if name == "tiny":
@@ -169,5 +155,4 @@ def ratios(rlkit: dict, peer: dict) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     main()

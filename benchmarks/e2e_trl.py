@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from e2e import Workload  # noqa: E402
+from e2e_workload import Workload  # noqa: E402
 
 # TRL's profiling names (GRPOTrainer.<name>) -> the comparison's phases
 PHASES = {"generate": "GRPOTrainer.vLLM.generate", "weight_sync": "GRPOTrainer.sync_weights"}

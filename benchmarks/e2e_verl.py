@@ -43,7 +43,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from e2e import Workload  # noqa: E402
+from e2e_workload import Workload  # noqa: E402
 from verl_reward import final_answer  # noqa: E402
 
 DATA_SOURCE = "rlkit_word_problems"

@@ -83,14 +83,15 @@ class BackgroundSave:
             return self.digests
         if wait:
             self.thread.join()
-        done = torch.tensor([0 if self.thread.is_alive() else 1], device="cuda" if ON_GPU else "cpu")
-        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
-        if not done.item():
+        # one collective: is any rank still writing, has any rank failed
+        status = torch.tensor([self.thread.is_alive(), self.error is not None], dtype=torch.int32,
+                              device="cuda" if ON_GPU else "cpu")
+        torch.distributed.all_reduce(status, op=torch.distributed.ReduceOp.MAX)
+        writing, failed = status.tolist()
+        if writing:
             return None
-        failed = torch.tensor([1 if self.error else 0], device=done.device)
-        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
         request, self.request = self.request, None
-        if failed.item():
+        if failed:
             raise RuntimeError(f"writing the checkpoint failed on a rank: {self.error!r}" if self.error
                                else "writing the checkpoint failed on another rank")
         for finalize in request.finalize_fns:  # global metadata; metadata.json
