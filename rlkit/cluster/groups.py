@@ -200,7 +200,8 @@ class GenerationWorkers:
         ray.wait(self.workers.submit(Engine.close), num_returns=len(self.workers), timeout=timeout_s)
 
     def weight_checksums(self) -> list[dict]:
-        return self.workers.every_rank(Engine.weight_checksums)
+        """Per engine process, in engine order (Engine.weight_checksums)."""
+        return [process for worker in self.workers.every_rank(Engine.weight_checksums) for process in worker]
 
 
 def _inputs(batch: Batch) -> list[str]:

@@ -27,9 +27,11 @@ import time
 import ray
 
 from rlkit.cluster.groups import GenerationWorkers, ModelWorkers
+from rlkit.cluster.setup import engine_gpus
 from rlkit.cluster.worker_group import rendezvous_address
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.refit.plan import RefitPlan
+from rlkit.refit.receiver import ANY_GPU
 from rlkit.workers.generation.base import GenerationWorker
 from rlkit.workers.generation.hf import HFGenerationWorker
 from rlkit.workers.generation.vllm import VLLMGenerationWorker
@@ -49,8 +51,12 @@ class RefitDriver:
         self.plan = RefitPlan.build(self.manifest, int(cfg.refit.bucket_mb * 2**20),
                                     transfer_dtype="bfloat16" if cfg.generation.precision == "bf16" else None,
                                     keep_fp32=tuple(cfg.refit.keep_fp32))
-        self.transfer = {"cpu": ObjectStoreTransfer, "cuda_ipc": CudaIpcTransfer, "nccl": NcclTransfer}[
-            cfg.refit.transport](policy, generation, placement_group, cfg.refit.channel_host)
+        channel_host = cfg.refit.channel_host
+        if cfg.refit.transport == "nccl":
+            self.transfer = NcclTransfer(policy, generation, placement_group, channel_host, engine_gpus(cfg))
+        else:
+            self.transfer = {"cpu": ObjectStoreTransfer, "cuda_ipc": CudaIpcTransfer}[cfg.refit.transport](
+                policy, generation, placement_group, channel_host)
 
     def push_weights(self) -> dict:
         """The policy's current weights into every generation worker; its metrics. The caller
@@ -137,41 +143,44 @@ class _ChannelTransfer:
         self.generation.wait(marks, "weights_changing")
         return _metrics(plan, seconds, sent[0], [r for rank in sent for r in rank.get("received", [])])
 
-    def _start_receivers(self, transport: str, addresses: list[tuple], timeout_s: float):
-        """Generation worker i serves refits from the sender at addresses[i]."""
-        self.generation.each(VLLMGenerationWorker.start_refit_receiver,
-                             [(transport, address, timeout_s) for address in addresses])
+    def _start_receivers(self, transport: str, senders: dict[str, tuple], timeout_s: float):
+        """Every process of every engine serves refits from the sender that senders names for
+        its GPU (rlkit/refit/receiver.py: sender_for)."""
+        self.generation.every_rank(VLLMGenerationWorker.start_refit_receiver, transport, senders, timeout_s)
 
 
 class CudaIpcTransfer(_ChannelTransfer):
-    """Generation worker i shares a GPU with policy rank i (colocated placement), and receives
-    from it alone."""
+    """Colocated: every GPU holds one policy rank and one process of an engine (an engine of
+    several GPUs has one on each), which receives from that rank alone: the policy rank's
+    slots are mapped by the process on the same GPU, found by the GPU's identity."""
 
     def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group, channel_host: str):
         self.policy, self.generation = policy.workers, generation.workers
         timeout_s = self.policy.timeout_s / 2
+        gpus = self.policy.every_rank(Policy.refit_gpu)
         addresses = self.policy.every_rank(Policy.open_refit_channel, "cuda_ipc", 1, timeout_s, channel_host)
-        self._start_receivers("cuda_ipc", addresses, timeout_s)
+        self._start_receivers("cuda_ipc", dict(zip(gpus, addresses)), timeout_s)
 
 
 class NcclTransfer(_ChannelTransfer):
-    """A communicator of policy rank 0 (rank 0 in it) and every generation worker, made once;
-    rank 0's channel reaches every generation worker's receiver."""
+    """A communicator of policy rank 0 (rank 0 in it) and every process of every engine, made
+    once; rank 0's channel reaches every one's receiver."""
 
-    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group, channel_host: str):
+    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group, channel_host: str,
+                 engine_gpus: int):
         self.policy, self.generation = policy.workers, generation.workers
         if channel_host == "loopback":
             _check_one_node(self.policy, self.generation)
         timeout_s = self.policy.timeout_s / 2
         host, port = rendezvous_address(placement_group, 0)
-        world = 1 + len(self.generation)
+        receivers = len(self.generation) * engine_gpus
+        world = 1 + receivers
         joins = self.policy.submit(Policy.join_refit_communicator, host, port, world, timeout_s, ranks=[0])
         engines = self.generation.submit(VLLMGenerationWorker.join_refit_communicator, host, port, world, timeout_s)
         self.policy.wait(joins, "join_refit_communicator", ranks=[0])
         self.generation.wait(engines, "join_refit_communicator")
-        address, = self.policy.only([0], Policy.open_refit_channel, "nccl", len(self.generation), timeout_s,
-                                    channel_host)
-        self._start_receivers("nccl", [address] * len(self.generation), timeout_s)
+        address, = self.policy.only([0], Policy.open_refit_channel, "nccl", receivers, timeout_s, channel_host)
+        self._start_receivers("nccl", {ANY_GPU: address}, timeout_s)
 
 
 class AdapterTransfer:

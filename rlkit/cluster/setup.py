@@ -11,7 +11,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from rlkit.cluster.groups import GenerationWorkers, ModelWorkers
 from rlkit.cluster.placement import Placement, plan_placement
 from rlkit.cluster.ray_runtime import device_kind, join_or_start_ray, stop_local_ray
-from rlkit.cluster.worker_group import WorkerGroup, rendezvous_address
+from rlkit.cluster.worker_group import WorkerGroup, bundle_gpu_ids, rendezvous_address
 from rlkit.config.schema import RootConfig
 from rlkit.observability.startup import StartupClock
 from rlkit.workers.generation.base import GenerationWorker as Engine
@@ -43,14 +43,24 @@ class RunWorkers:
             stop_local_ray(keep_ray_logs)
 
 
-def _generation_worker(cfg: RootConfig, model_dir: str) -> tuple[type, Callable[[int], dict]]:
+def engine_gpus(cfg: RootConfig) -> int:
+    """GPUs per generation worker: a vLLM engine's tensor-parallel size; 1 otherwise."""
+    return cfg.generation.vllm.tensor_parallel_size if cfg.generation.backend == "vllm" else 1
+
+
+def _generation_worker(cfg: RootConfig, model_dir: str, pg, placement: Placement,
+                       device: str) -> tuple[type, Callable[[int], dict]]:
     # refit.peft=adapter: the workers load model_dir's real weights, with LoRA of their own for the refits to set
     adapter = cfg.policy.peft if cfg.refit.peft == "adapter" else None
     if cfg.generation.backend == "vllm":
         from rlkit.workers.generation.vllm import VLLMGenerationWorker
+        # an engine of several GPUs sees all of its bundles' GPUs (Ray gives an actor those of one bundle)
+        spans = device == "GPU" and engine_gpus(cfg) > 1
+        visible = [",".join(bundle_gpu_ids(pg, bundles)) if spans else None for bundles in placement.engine_bundles]
         return VLLMGenerationWorker, lambda rank: dict(model_dir=model_dir, cfg=cfg.generation, seed=cfg.run.seed,
                                                        rank=rank, sleep_mode=cfg.cluster.placement == "colocated",
-                                                       fp32_lm_head=cfg.policy.fp32_lm_head, adapter=adapter)
+                                                       fp32_lm_head=cfg.policy.fp32_lm_head, adapter=adapter,
+                                                       visible_devices=visible[rank])
     from rlkit.workers.generation.hf import HFGenerationWorker
     return HFGenerationWorker, lambda rank: dict(model_dir=model_dir, precision=cfg.generation.precision,
                                                  threads=cfg.cluster.threads_per_worker, rank=rank, adapter=adapter)
@@ -69,7 +79,8 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
         log.info("%s not installed: Megatron uses its PyTorch fallbacks for fused kernels (fine on CPU; slower on GPU)",
                  " and ".join(missing))
     num_generation = cfg.generation.num_workers if with_generation else 0
-    placement = plan_placement(cfg.cluster.placement, cfg.policy.num_workers, num_generation, device, with_critic)
+    placement = plan_placement(cfg.cluster.placement, cfg.policy.num_workers, num_generation, device, with_critic,
+                               engine_gpus(cfg))
     pg = placement_group(placement.bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=cfg.cluster.call_timeout_s)
@@ -93,7 +104,7 @@ def _start_groups(cfg, model_dir, pg, placement, device, started, with_generatio
     generation = None
     created = time.time()
     if with_generation:
-        generation_cls, generation_args = _generation_worker(cfg, model_dir)
+        generation_cls, generation_args = _generation_worker(cfg, model_dir, pg, placement, device)
         with clock.phase("generation_workers"):
             generation = GenerationWorkers(WorkerGroup("generation", generation_cls, pg, placement.generation_bundles,
                                                        placement.share, device, generation_args, c.call_timeout_s))

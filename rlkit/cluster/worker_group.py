@@ -43,6 +43,20 @@ def rendezvous_address(placement_group, bundle_index: int) -> tuple[str, int]:
     return ray.get(_free_address.options(scheduling_strategy=strategy).remote())
 
 
+@ray.remote(num_cpus=0)
+def _gpu_id() -> str:
+    return str(ray.get_gpu_ids()[0])
+
+
+def bundle_gpu_ids(placement_group, bundle_indices: list[int]) -> list[str]:
+    """The GPU (its id on its node, as CUDA_VISIBLE_DEVICES names it) of each bundle: for a
+    process that spans several bundles' GPUs, which Ray's per-actor accounting cannot give it.
+    The probe asks for a sliver of the GPU, which every bundle has left at start-up."""
+    probes = [_gpu_id.options(num_gpus=0.01, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group, placement_group_bundle_index=bundle)).remote() for bundle in bundle_indices]
+    return ray.get(probes)
+
+
 class WorkerGroup:
     def __init__(self, role: str, actor_cls: type, placement_group, bundle_indices: list[int], share: float,
                  device: str, make_args: Callable[[int], dict], timeout_s: float):

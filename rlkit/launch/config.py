@@ -397,6 +397,16 @@ def _validate_rollout_choices(cfg: RootConfig) -> None:
               ("env_runner.max_total_tokens", r.max_total_tokens))
 
 
+def _validate_engine_parallel(cfg: RootConfig) -> None:
+    """A vLLM engine of several GPUs splits the model's heads as the policy's TP does."""
+    tp = cfg.generation.vllm.tensor_parallel_size
+    _positive(("generation.vllm.tensor_parallel_size", tp))
+    heads = _model_shape(cfg.policy.model_path).heads
+    if heads % tp:
+        raise ConfigError(f"generation.vllm.tensor_parallel_size: must divide the model's {heads} attention heads "
+                          f"(got: {tp}); pick a divisor of {heads}")
+
+
 def _validate_rollout_transport(cfg: RootConfig) -> None:
     p, g = cfg.policy, cfg.generation
     gpu_transports = ("cuda_ipc", "nccl")
@@ -406,15 +416,15 @@ def _validate_rollout_transport(cfg: RootConfig) -> None:
         if cfg.refit.transport not in gpu_transports:
             raise ConfigError(f"refit.transport: vLLM workers take weights through {list(gpu_transports)} "
                               f"(got: {cfg.refit.transport!r}); use refit=cuda_ipc (colocated) or refit=nccl")
-        if g.vllm.tensor_parallel_size != 1:
-            raise ConfigError(f"generation.vllm.tensor_parallel_size: refit supports 1 GPU per vLLM engine for "
-                              f"now (got: {g.vllm.tensor_parallel_size}); raise generation.num_workers instead")
+        _validate_engine_parallel(cfg)
     elif cfg.refit.transport in gpu_transports:
         raise ConfigError(f"refit.transport: {cfg.refit.transport!r} needs generation.backend=vllm; use refit=cpu")
+    engine_gpus = g.vllm.tensor_parallel_size if g.backend == "vllm" else 1
     if cfg.refit.transport == "cuda_ipc" and (cfg.cluster.placement != "colocated"
-                                              or g.num_workers != p.num_workers):
-        raise ConfigError("refit.transport: cuda_ipc needs cluster.placement=colocated with generation.num_workers "
-                          f"== policy.num_workers (got: {cfg.cluster.placement}, {g.num_workers} vs "
+                                              or g.num_workers * engine_gpus != p.num_workers):
+        raise ConfigError("refit.transport: cuda_ipc needs cluster.placement=colocated with one policy rank on "
+                          "every GPU of the engines: generation.num_workers x generation.vllm.tensor_parallel_size "
+                          f"== policy.num_workers (got: {cfg.cluster.placement}, {g.num_workers} x {engine_gpus} vs "
                           f"{p.num_workers}); use refit=nccl for disaggregated placement")
     if cfg.refit.transport == "nccl" and cfg.cluster.placement != "disaggregated":
         raise ConfigError("refit.transport: nccl needs cluster.placement=disaggregated (policy and vLLM on "

@@ -89,6 +89,22 @@ class StandingReceiver:
         return {"refit/replayable_fraction": replay.replayable_fraction}
 
 
+ANY_GPU = "any"  # a senders key: the one sender of receivers on every GPU (nccl's policy rank 0)
+
+
+def sender_for(senders: dict[str, tuple], gpu: str, name: str) -> tuple:
+    """The address of the policy rank that feeds the receiver on GPU `gpu` (its identity, see
+    cuda_ipc.gpu_identity): under cuda_ipc the one on the same GPU, whose slots only that GPU can
+    map. Each receiver looks up its own GPU: one that took another's sender would load bytes
+    meant for another device, or none at all."""
+    if ANY_GPU in senders:
+        return senders[ANY_GPU]
+    if gpu not in senders:
+        raise RuntimeError(f"refit: {name} runs on GPU {gpu}, which no policy rank shares (policy ranks on "
+                           f"{sorted(senders)}); with refit=cuda_ipc every GPU of the engines needs a policy rank")
+    return senders[gpu]
+
+
 def receiving_half(transport: str, communicator=None):
     """cuda_ipc: maps the policy rank's slots on this GPU; nccl: receives over `communicator`."""
     if transport == "cuda_ipc":

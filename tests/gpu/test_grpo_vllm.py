@@ -1,4 +1,5 @@
-"""GRPO end to end with vLLM generation, dense and MoE: colocated on one GPU, disaggregated on two."""
+"""GRPO end to end with vLLM generation, dense and MoE: colocated on one GPU, disaggregated on two;
+on two GPUs also two engines fed by two policy ranks, and one engine spread over both GPUs."""
 
 import math
 
@@ -12,12 +13,19 @@ DISAGGREGATED = ["cluster.placement=disaggregated", "refit=nccl"]
 
 # tiny Qwen3-MoE (4 experts, top-2): vLLM's fused experts receive the refit
 MOE = ["policy.model_path=tiny://qwen3_moe"]
+# colocated on two GPUs: each policy rank feeds the engine process on its GPU
+TWO_ENGINES = ["policy.num_workers=2", "generation.num_workers=2"]
+TP2_ENGINE = ["policy.num_workers=2", "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"]
 
 
 @pytest.mark.parametrize("layout", [pytest.param(COLOCATED, id="cuda_ipc"),
                                     pytest.param(DISAGGREGATED, id="nccl", marks=pytest.mark.gpus(2)),
                                     pytest.param(COLOCATED + MOE, id="moe-cuda_ipc"),
-                                    pytest.param(DISAGGREGATED + MOE, id="moe-nccl", marks=pytest.mark.gpus(2))])
+                                    pytest.param(DISAGGREGATED + MOE, id="moe-nccl", marks=pytest.mark.gpus(2)),
+                                    pytest.param(COLOCATED + TWO_ENGINES, id="two-engines-cuda_ipc",
+                                                 marks=pytest.mark.gpus(2)),
+                                    pytest.param(COLOCATED + TP2_ENGINE, id="tp2-engine-cuda_ipc",
+                                                 marks=pytest.mark.gpus(2))])
 def test_grpo_with_vllm(ray_cluster, make_cfg, layout, request):
     cfg, resolved = make_cfg(*layout, "algorithm.num_steps=3", "algorithm.val_every=3",
                              "algorithm.warm_start.sft_steps=20", f"run.name=gpu_{request.node.callspec.id}")

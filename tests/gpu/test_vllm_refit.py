@@ -16,18 +16,28 @@ from rlkit.refit.plan import bucket_checksum
 
 COLOCATED = ["cluster.placement=colocated", "refit=cuda_ipc"]
 DISAGGREGATED = ["cluster.placement=disaggregated", "refit=nccl"]
-LAYOUTS = [pytest.param(COLOCATED, id="cuda_ipc"), pytest.param(DISAGGREGATED, id="nccl", marks=pytest.mark.gpus(2))]
+TWO_ENGINES = ["policy.num_workers=2", "generation.num_workers=2"]
+TP2_ENGINE = ["policy.num_workers=2", "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"]
+LAYOUTS = [pytest.param(COLOCATED, id="cuda_ipc"), pytest.param(DISAGGREGATED, id="nccl", marks=pytest.mark.gpus(2)),
+           pytest.param(COLOCATED + TWO_ENGINES, id="two-engines-cuda_ipc", marks=pytest.mark.gpus(2)),
+           pytest.param(COLOCATED + TP2_ENGINE, id="tp2-engine-cuda_ipc", marks=pytest.mark.gpus(2))]
+# vLLM's row-parallel layers split the HF weight's dim 1; the other layers split dim 0, norms none
+ROW_PARALLEL = (".o_proj.", ".down_proj.")
 
 
-def _expected_vllm_tensor(name: str, exported: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The tensor vLLM should hold under `name`, from the policy's HF-named export."""
+def _expected_vllm_tensor(name: str, exported: dict[str, torch.Tensor], rank: int = 0, gpus: int = 1) -> torch.Tensor:
+    """The tensor vLLM's process `rank` of an engine of `gpus` GPUs should hold under `name`,
+    from the policy's HF-named export: a fused tensor is its parts' shards side by side."""
     fused = {".qkv_proj.": ("q_proj", "k_proj", "v_proj"), ".gate_up_proj.": ("gate_proj", "up_proj")}
-    for marker, parts in fused.items():
-        if marker in name:
-            return torch.cat([exported[name.replace(marker.strip("."), p)] for p in parts])
+    parts = next(([name.replace(marker.strip("."), p) for p in names] for marker, names in fused.items()
+                  if marker in name), [name])
     if name == "lm_head.weight" and name not in exported:  # tied embeddings
-        return exported["model.embed_tokens.weight"]
-    return exported[name]
+        parts = ["model.embed_tokens.weight"]
+    tensors = [exported[part] for part in parts]
+    if gpus > 1 and "norm" not in name:  # norms are whole on every GPU
+        dim = 1 if any(marker in name for marker in ROW_PARALLEL) and tensors[0].dim() > 1 else 0
+        tensors = [t.chunk(gpus, dim)[rank] for t in tensors]
+    return torch.cat(tensors)
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
@@ -39,12 +49,12 @@ def refit_setup(request, ray_cluster, make_cfg):
     driver = RefitDriver(cfg, workers.policy, workers.generation, workers.placement_group, sleepers=[])
     assert driver.plan.buckets[0].slots[0].dtype == "bfloat16"  # generation.precision=bf16: bf16 on the wire
     workers.generation.wake()
-    yield workers, driver.plan, driver.transfer, model_dir
+    yield workers, driver.plan, driver.transfer, model_dir, cfg.generation.vllm.tensor_parallel_size
     workers.shutdown()
 
 
 def test_refit_is_bit_exact(refit_setup):
-    workers, plan, transport, _ = refit_setup
+    workers, plan, transport, _, gpus = refit_setup
     for _ in range(2):  # the second round replays vLLM's loader and reuses the communicator
         metrics = transport(plan, True)
     print(f"refit metrics: {metrics}")
@@ -52,10 +62,15 @@ def test_refit_is_bit_exact(refit_setup):
     # TP=1 policy: rows copied straight from the parameters; every tensor's load replayed
     assert metrics["refit/direct_export"] == 1.0 and metrics["refit/replayable_fraction"] == 1.0
     exported = workers.policy.export_hf_weights()
-    for checksums in workers.generation.weight_checksums():
+    checked = 0
+    for process, checksums in enumerate(workers.generation.weight_checksums()):
         for name, checksum in checksums.items():
-            expected = _expected_vllm_tensor(name, exported).cuda().contiguous()
-            assert checksum == bucket_checksum(expected.view(-1).view(torch.uint8)), name
+            if gpus > 1 and ("embed_tokens" in name or "lm_head" in name):
+                continue  # vocabulary shards are padded to vLLM's multiple of 64 rows
+            expected = _expected_vllm_tensor(name, exported, process % gpus, gpus).cuda().contiguous()
+            assert checksum == bucket_checksum(expected.view(-1).view(torch.uint8)), (process, name)
+            checked += 1
+    assert checked > 0
 
 
 def test_generation_logprobs_match_policy(refit_setup):
@@ -66,7 +81,7 @@ def test_generation_logprobs_match_policy(refit_setup):
     from rlkit.observability.logprob_agreement import logprob_error
     from rlkit.data.generation import SamplingParams
 
-    workers, plan, transport, model_dir = refit_setup
+    workers, plan, transport, model_dir, _ = refit_setup
     transport(plan, True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_ids = [tokenizer(f"{a}+{b}=")["input_ids"] for a in range(8) for b in range(8)]

@@ -104,6 +104,12 @@ class IpcReceiver:
         wait_event(stream.record_event(), channel.timeout_s, "this GPU to finish loading the refit")
 
 
+def gpu_identity() -> str:
+    """This process's GPU, the same in every process that uses it (its index is not: each
+    process numbers the GPUs it sees)."""
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
 def _on_this_device(handle: tuple, device: int) -> tuple:
     """The sender's device index means nothing in this process; the GPU is the same one."""
     args = list(handle)

@@ -20,8 +20,10 @@ class GenerationWorker(ABC):
         of them consumed and none missing."""
 
     @abstractmethod
-    def weight_checksums(self) -> dict[str, int]:
-        """{parameter name in this backend's model: bucket_checksum of its bytes} (verification)."""
+    def weight_checksums(self) -> list[dict[str, int]]:
+        """Per process of this worker's engine (one, or one per GPU of a tensor-parallel vLLM
+        engine, each holding its shards): {parameter name in this backend's model:
+        bucket_checksum of its bytes} (verification)."""
 
     @abstractmethod
     def sleep(self) -> None:

@@ -96,8 +96,9 @@ class HFGenerationWorker(GenerationWorker):
         """HF-named tensors as this worker holds them (tests compare them bit for bit)."""
         return {n: p.detach().clone() for n, p in self._tensors.items()}
 
-    def weight_checksums(self) -> dict[str, int]:
-        return {n: bucket_checksum(p.detach().contiguous().view(-1).view(torch.uint8)) for n, p in self._tensors.items()}
+    def weight_checksums(self) -> list[dict[str, int]]:
+        return [{n: bucket_checksum(p.detach().contiguous().view(-1).view(torch.uint8))
+                 for n, p in self._tensors.items()}]
 
     def sleep(self) -> None:
         pass  # nothing to release on CPU

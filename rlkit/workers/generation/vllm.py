@@ -35,8 +35,12 @@ class VLLMGenerationWorker(GenerationWorker):
     on, and refits bring the adapters alone."""
 
     def __init__(self, model_dir: str, cfg: GenerationConfig, seed: int, rank: int, sleep_mode: bool,
-                 fp32_lm_head: bool, adapter: PeftConfig | None = None):
+                 fp32_lm_head: bool, adapter: PeftConfig | None = None, visible_devices: str | None = None):
+        """visible_devices: an engine of several GPUs (tensor parallelism) is given their ids, as
+        Ray gives an actor the GPU of one bundle alone; vLLM starts a process on each."""
         self.startup = PhaseTimes()
+        if visible_devices is not None:  # before anything initializes CUDA in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         # the engine core is a separate process; IPC handles and plans travel by pickle
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -54,8 +58,12 @@ class VLLMGenerationWorker(GenerationWorker):
         # wrapper on the LM head would add a kernel on every step's logits
         lora = {} if adapter is None else dict(enable_lora=True, max_lora_rank=_max_lora_rank(adapter.rank),
                                                max_loras=1, lora_target_modules=list(adapter.target_modules))
+        self.gpus = v.tensor_parallel_size
         with self.startup.phase("vllm_engine"):
             self.llm = LLM(model=model_dir, tensor_parallel_size=v.tensor_parallel_size,
+                           # one process per GPU, children of this actor: never Ray's executor, which
+                           # would ask Ray for GPUs this run's placement group already holds
+                           distributed_executor_backend="mp" if v.tensor_parallel_size > 1 else None,
                            gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
                            enforce_eager=v.enforce_eager, seed=seed + rank,
                            load_format="dummy" if adapter is None else "auto",
@@ -131,10 +139,10 @@ class VLLMGenerationWorker(GenerationWorker):
         # pickled by hand: vLLM's msgspec RPC would turn dataclasses such as the plan into dicts
         return self.llm.collective_rpc(method, args=(pickle.dumps(args),))
 
-    def start_refit_receiver(self, transport: str, address: tuple, timeout_s: float) -> None:
-        """Each vLLM worker process of this engine serves refits from the policy rank at
-        `address` from now on (rlkit/refit/receiver.py)."""
-        self._rpc("rlkit_start_refit_receiver", transport, address, f"generation worker {self.rank}", timeout_s)
+    def start_refit_receiver(self, transport: str, senders: dict[str, tuple], timeout_s: float) -> None:
+        """Each vLLM worker process of this engine serves refits from now on, from the policy
+        rank that senders names for its GPU (rlkit/refit/receiver.py: sender_for)."""
+        self._rpc("rlkit_start_refit_receiver", transport, senders, f"generation worker {self.rank}", timeout_s)
 
     def weights_changing(self) -> None:
         """A refit is under way (its bytes bypass this actor): the prefix cache is stale."""
@@ -163,11 +171,12 @@ class VLLMGenerationWorker(GenerationWorker):
             shutil.rmtree(self.adapter_root, ignore_errors=True)
 
     def join_refit_communicator(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        """nccl: this engine is rank 1 + its index in a communicator with policy rank 0."""
-        self._rpc("rlkit_join_refit_communicator", host, port, world_size, 1 + self.rank, timeout_s)
+        """nccl: this engine's processes join a communicator with policy rank 0 (rank 0 there),
+        in engine order, each engine's in the order of its GPUs."""
+        self._rpc("rlkit_join_refit_communicator", host, port, world_size, 1 + self.rank * self.gpus, timeout_s)
 
-    def weight_checksums(self) -> dict[str, int]:
-        return self._rpc("rlkit_param_checksums")[0]
+    def weight_checksums(self) -> list[dict[str, int]]:
+        return self._rpc("rlkit_param_checksums")
 
     def sleep(self) -> None:
         if self.sleep_mode and not self._asleep_tags:

@@ -26,18 +26,23 @@ def _pickled_args(method):
 
 class RefitExtension:
     @_pickled_args
-    def rlkit_join_refit_communicator(self, host: str, port: int, world_size: int, rank: int, timeout_s: float):
+    def rlkit_join_refit_communicator(self, host: str, port: int, world_size: int, first_rank: int,
+                                      timeout_s: float):
+        """first_rank: the engine's first process's rank; this one's follows by its rank in the engine."""
         from rlkit.refit.transports.nccl import RefitCommunicator
-        self._rlkit_communicator = RefitCommunicator(host, port, rank, world_size, timeout_s)
+        self._rlkit_communicator = RefitCommunicator(host, port, first_rank + self.rank, world_size, timeout_s)
 
     @_pickled_args
-    def rlkit_start_refit_receiver(self, transport: str, address: tuple, name: str, timeout_s: float):
-        """From here on the policy rank at `address` starts each refit, no call into vLLM needed."""
-        from rlkit.refit.receiver import StandingReceiver, receiving_half
+    def rlkit_start_refit_receiver(self, transport: str, senders: dict[str, tuple], name: str, timeout_s: float):
+        """From here on the policy rank that senders names for this process's GPU starts each
+        refit, no call into vLLM needed."""
+        from rlkit.refit.receiver import StandingReceiver, receiving_half, sender_for
+        from rlkit.refit.transports.cuda_ipc import gpu_identity
 
+        name = f"{name} (GPU {self.rank} of its engine)" if self.parallel_config.world_size > 1 else name
         self._rlkit_receiver = StandingReceiver(
             receiving_half(transport, getattr(self, "_rlkit_communicator", None)), self.model_runner.get_model,
-            address, name, timeout_s)
+            sender_for(senders, gpu_identity(), name), name, timeout_s)
 
     @_pickled_args
     def rlkit_seed_sampler(self, seed: int):

@@ -496,6 +496,11 @@ class MegatronModelWorker:
     def join_refit_communicator(self, host: str, port: int, world_size: int, timeout_s: float):
         self.refit_sender.join_communicator(host, port, world_size, timeout_s)
 
+    def refit_gpu(self) -> str:
+        """This rank's GPU, as the engine process beside it finds it (cuda_ipc)."""
+        from rlkit.refit.transports.cuda_ipc import gpu_identity
+        return gpu_identity()
+
     def open_refit_channel(self, transport: str, receivers: int, timeout_s: float, channel_host: str) -> tuple:
         """channel_host (refit.channel_host): loopback, or node_ip for receivers on other nodes."""
         half = sending_half(transport, self.refit_sender.communicator)

@@ -1,0 +1,48 @@
+"""Where engines of several GPUs sit, and which policy rank feeds each of their processes."""
+
+import pytest
+
+from rlkit.cluster.placement import plan_placement
+from rlkit.refit.receiver import ANY_GPU, sender_for
+
+
+def test_colocated_engines_span_consecutive_bundles_each_shared_with_a_policy_rank():
+    placement = plan_placement("colocated", num_policy=4, num_generation=2, device="GPU", engine_gpus=2)
+    assert len(placement.bundles) == 4 and placement.policy_bundles == [0, 1, 2, 3]
+    assert placement.engine_bundles == [[0, 1], [2, 3]]
+    assert placement.generation_bundles == [0, 2]  # each engine's actor on its first bundle
+    assert placement.share == 0.5
+
+
+def test_disaggregated_engines_take_bundles_after_the_policy():
+    placement = plan_placement("disaggregated", num_policy=1, num_generation=2, device="GPU", engine_gpus=2)
+    assert len(placement.bundles) == 5
+    assert placement.policy_bundles == [0] and placement.engine_bundles == [[1, 2], [3, 4]]
+
+
+def test_one_gpu_engines_are_placed_as_before():
+    placement = plan_placement("colocated", num_policy=2, num_generation=2, device="CPU")
+    assert placement.engine_bundles == [[0], [1]] and placement.generation_bundles == [0, 1]
+
+
+def test_colocated_engines_need_a_policy_rank_on_every_gpu():
+    with pytest.raises(ValueError, match=r"x GPUs per engine \(4\) <= policy.num_workers \(2\)"):
+        plan_placement("colocated", num_policy=2, num_generation=2, device="GPU", engine_gpus=2)
+
+
+def test_each_engine_process_takes_the_sender_on_its_own_gpu():
+    """An engine of two GPUs colocated with two policy ranks: the process on each GPU must map
+    the slots of the rank on that GPU. Taking the first rank's (what a receiver that used rank
+    0's metadata would do) would load bytes from another device."""
+    senders = {"GPU-b": ("127.0.0.1", 2002), "GPU-a": ("127.0.0.1", 2001)}
+    assert [sender_for(senders, gpu, "engine 0") for gpu in ("GPU-a", "GPU-b")] == [("127.0.0.1", 2001),
+                                                                                    ("127.0.0.1", 2002)]
+
+
+def test_a_gpu_without_a_policy_rank_is_named():
+    with pytest.raises(RuntimeError, match="generation worker 1 runs on GPU GPU-c, which no policy rank shares"):
+        sender_for({"GPU-a": ("127.0.0.1", 1)}, "GPU-c", "generation worker 1")
+
+
+def test_one_sender_for_every_gpu():
+    assert sender_for({ANY_GPU: ("10.0.0.1", 7)}, "GPU-z", "engine 3") == ("10.0.0.1", 7)
