@@ -23,7 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import broadcast_bandwidth, copy_bandwidth, qwen3_checkpoint  # noqa: E402
 
 TRANSPORTS = {"cuda_ipc": ["cluster.placement=colocated", "refit=cuda_ipc"],
-              "nccl": ["cluster.placement=disaggregated", "refit=nccl"]}
+              "nccl": ["cluster.placement=disaggregated", "refit=nccl"],
+              # two GPUs, colocated: two policy ranks feed two engines, or one engine spread over both GPUs
+              "cuda_ipc-two-engines": ["cluster.placement=colocated", "refit=cuda_ipc", "policy.num_workers=2",
+                                       "generation.num_workers=2"],
+              "cuda_ipc-tp2-engine": ["cluster.placement=colocated", "refit=cuda_ipc", "policy.num_workers=2",
+                                      "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"]}
 
 
 def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int]) -> list[dict]:
@@ -105,7 +110,7 @@ def main():
                 continue
             bucket_mbs = [int(mb) for mb in args.bucket_mb.split(",")]
             for row in measure(model_dir, transport, args.rounds, bucket_mbs):
-                limit = limits["copy_gbytes_per_s" if transport == "cuda_ipc" else "broadcast_gbytes_per_s"]
+                limit = limits["copy_gbytes_per_s" if transport.startswith("cuda_ipc") else "broadcast_gbytes_per_s"]
                 rows.append({"model": f"qwen3-{size}", **row, "limit_gbytes_per_s": limit,
                              "ratio": row["gbytes_per_s"] / limit})
                 print(json.dumps(rows[-1]), flush=True)

@@ -6,11 +6,13 @@ generation (hand_over, reclaim).
 How bytes travel is the transport's business; every transport moves the same RefitPlan:
   cpu       Ray's object store: policy rank 0 streams buckets, the controller forwards each
             bucket's reference to every generation worker (HF workers)
-  cuda_ipc  colocated: each policy rank packs into two slots on its GPU that the vLLM engine on
+  cuda_ipc  colocated: each policy rank packs into two slots on its GPU that the vLLM process on
             that GPU maps through CUDA IPC handles (rlkit/refit/transports/cuda_ipc.py)
-  nccl      disaggregated: policy rank 0 broadcasts each bucket to every vLLM engine on a
+  nccl      disaggregated: policy rank 0 broadcasts each bucket to every vLLM process on a
             communicator of their own (rlkit/refit/transports/nccl.py)
-The GPU transports start, once, a standing receiver in each vLLM engine process
+Every vLLM process receives whole HF tensors; an engine of several GPUs (tensor parallelism)
+has one process per GPU, and vLLM's loader takes each one's shard.
+The GPU transports start, once, a standing receiver in each vLLM worker process
 (rlkit/refit/receiver.py); a refit is then one call to the policy (its sender,
 rlkit/refit/sender.py), which starts it on its channel and returns every receiver's report.
 Waits inside a refit are bounded by half of cluster.call_timeout_s, so a dead or stuck peer is
