@@ -16,6 +16,8 @@ MOE = ["policy.model_path=tiny://qwen3_moe"]
 # colocated on two GPUs: each policy rank feeds the engine process on its GPU
 TWO_ENGINES = ["policy.num_workers=2", "generation.num_workers=2"]
 TP2_ENGINE = ["policy.num_workers=2", "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"]
+# the MoE policy's experts split over two ranks (EP=2), each exporting its experts for the engine beside it
+MOE_EP2 = MOE + ["policy.num_workers=2", "policy.expert_parallel_size=2", "generation.num_workers=2"]
 
 
 @pytest.mark.parametrize("layout", [pytest.param(COLOCATED, id="cuda_ipc"),
@@ -25,7 +27,8 @@ TP2_ENGINE = ["policy.num_workers=2", "generation.num_workers=1", "generation.vl
                                     pytest.param(COLOCATED + TWO_ENGINES, id="two-engines-cuda_ipc",
                                                  marks=pytest.mark.gpus(2)),
                                     pytest.param(COLOCATED + TP2_ENGINE, id="tp2-engine-cuda_ipc",
-                                                 marks=pytest.mark.gpus(2))])
+                                                 marks=pytest.mark.gpus(2)),
+                                    pytest.param(COLOCATED + MOE_EP2, id="moe-ep2-cuda_ipc", marks=pytest.mark.gpus(2))])
 def test_grpo_with_vllm(ray_cluster, make_cfg, layout, request):
     cfg, resolved = make_cfg(*layout, "algorithm.num_steps=3", "algorithm.val_every=3",
                              "algorithm.warm_start.sft_steps=20", f"run.name=gpu_{request.node.callspec.id}")
