@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Protocol
 
 from omegaconf import DictConfig
 
-from rlkit.checkpoint import CheckpointManager
+from rlkit.checkpoint import CheckpointManager, WrittenFiles
 from rlkit.cluster.setup import RunWorkers
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.config.schema import RootConfig
@@ -68,9 +68,9 @@ class Trainer(Protocol):
         models' workers write in the background). Returns the seconds it held training ("held"),
         and in which parts."""
 
-    def saved(self, wait: bool) -> dict[str, str] | None:
+    def saved(self, wait: bool) -> WrittenFiles | None:
         """None while what the last save started is being written; once it is on disk whole (wait:
-        block until then), {path: SHA-256} of the files the workers' background writers made."""
+        block until then), what the workers' background writers made."""
 
     def load(self, checkpoint_dir: str, step: int) -> None:
         """What save wrote after `step`."""
@@ -113,7 +113,8 @@ def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: Shu
             if step % a.val_every == 0 or step == a.num_steps:
                 metrics.update(trainer.validate())
             why = stop_requested()
-            checkpoints.finish(wait=False)  # the checkpoint written since an earlier step, if it is on disk
+            if checkpoints.finish(wait=False):  # the checkpoint written since an earlier step, if it is on disk
+                metrics.update(checkpoints.last_write.metrics())
             due = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == a.num_steps or why
             if due:  # started, never completed before the step is logged: a whole checkpoint's step always is
                 held = checkpoints.save(step, trainer, {"step": step, "rows": rows.state()}, resolved)

@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 
+from rlkit.checkpoint import WrittenFiles
 from rlkit.algorithms.async_rollouts import PENDING_ROLLOUTS, Rollout, RolloutPipeline
 from rlkit.algorithms.dapo_rollouts import (extra_prompts, overlong_filtered, overlong_penalty,
                                             sample_informative_groups)
@@ -245,7 +246,7 @@ class PolicyGradientTrainer:
             torch.save(self.rollouts.pending(), Path(checkpoint_dir) / PENDING_ROLLOUTS)
         return held
 
-    def saved(self, wait: bool) -> dict[str, str] | None:
+    def saved(self, wait: bool) -> WrittenFiles | None:
         return self.policy.finish_checkpoint(wait)
 
     def load(self, checkpoint_dir: str, step: int):

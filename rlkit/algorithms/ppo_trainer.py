@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlkit.checkpoint import WrittenFiles
 from rlkit.algorithms import policy_gradient
 from rlkit.algorithms.advantages import explained_variance, gae_advantages, token_rewards, whiten
 from rlkit.algorithms.losses import kl_estimate
@@ -90,9 +91,9 @@ class PPO(PolicyGradientTrainer):
         policy, critic = super().save(checkpoint_dir), self.critic.save_checkpoint(checkpoint_dir, "dist")
         return {part: policy.get(part, 0.0) + critic.get(part, 0.0) for part in {**policy, **critic}}
 
-    def saved(self, wait: bool) -> dict[str, str] | None:
+    def saved(self, wait: bool) -> WrittenFiles | None:
         policy, critic = super().saved(wait), self.critic.finish_checkpoint(wait)  # both asked, every time
-        return None if policy is None or critic is None else {**policy, **critic}
+        return None if policy is None or critic is None else policy | critic
 
     def load(self, checkpoint_dir: str, step: int):
         super().load(checkpoint_dir, step)

@@ -5,6 +5,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+from rlkit.checkpoint import WrittenFiles
 from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
 from rlkit.algorithms.registry import AlgorithmConfig, AlgorithmSpec
 from rlkit.config.schema import ConfigError, RootConfig
@@ -85,7 +86,7 @@ class SFT:
     def save(self, checkpoint_dir: str) -> dict[str, float]:
         return self.policy.save_checkpoint(checkpoint_dir, self.cfg.checkpoint.save_format)
 
-    def saved(self, wait: bool) -> dict[str, str] | None:
+    def saved(self, wait: bool) -> WrittenFiles | None:
         return self.policy.finish_checkpoint(wait)
 
     def load(self, checkpoint_dir: str, step: int):

@@ -41,14 +41,34 @@ _COMPLETE = re.compile(r"^step_(\d{6})$")
 MANIFEST = "manifest.json"
 
 
+@dataclass(frozen=True)
+class WrittenFiles:
+    """What background writers made: {path: SHA-256} of each file, their bytes, and the seconds
+    the slowest writer spent writing, then taking the digests. Writers run side by side (one per
+    rank, per model), so `|` adds bytes and keeps the longest times."""
+    digests: dict[str, str]
+    nbytes: int = 0
+    write_seconds: float = 0.0
+    digest_seconds: float = 0.0
+
+    def __or__(self, other: "WrittenFiles") -> "WrittenFiles":
+        return WrittenFiles({**self.digests, **other.digests}, self.nbytes + other.nbytes,
+                            max(self.write_seconds, other.write_seconds), max(self.digest_seconds, other.digest_seconds))
+
+    def metrics(self) -> dict[str, float]:
+        rate = self.nbytes / self.write_seconds / 1e9 if self.write_seconds else 0.0
+        return {"timing/checkpoint_write": self.write_seconds, "timing/checkpoint_digest": self.digest_seconds,
+                "checkpoint/written_gb": self.nbytes / 1e9, "checkpoint/write_gbytes_per_s": rate}
+
+
 class SavedModels(Protocol):
     def save(self, checkpoint_dir: str) -> dict[str, float]:
         """Start writing the models' part (weights, optimizer, RNG) into checkpoint_dir; the
         seconds it held training ("held"), and in which parts."""
 
-    def saved(self, wait: bool) -> dict[str, str] | None:
+    def saved(self, wait: bool) -> WrittenFiles | None:
         """None while that part is being written; once it is on disk whole (wait: block until
-        then), {path: SHA-256} of the files written in the background."""
+        then), what was written in the background."""
 
 
 @dataclass
@@ -65,6 +85,7 @@ class CheckpointManager:
         self.cfg = cfg
         self.root = Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"
         self.writing: _Writing | None = None
+        self.last_write: WrittenFiles | None = None  # of the checkpoint completed last
 
     def complete(self) -> list[Path]:
         """Whole checkpoints, oldest first."""
@@ -124,16 +145,19 @@ class CheckpointManager:
         writing = self.writing
         if writing is None:
             return None
-        digests = writing.models.saved(wait)
-        if digests is None:
+        written = writing.models.saved(wait)
+        if written is None:
             return None
-        self.writing = None
-        _write_manifest(writing.tmp, {Path(path).resolve(): digest for path, digest in digests.items()})
+        self.writing, self.last_write = None, written
+        _write_manifest(writing.tmp, {Path(path).resolve(): digest for path, digest in written.digests.items()})
         if writing.final.exists():  # a resumed run re-reaching a step it had already saved
             shutil.rmtree(writing.final)
         os.replace(writing.tmp, writing.final)
         self._prune()
-        log.info("checkpoint %s complete, %.1f s after it started", writing.final, time.perf_counter() - writing.started)
+        log.info("checkpoint %s complete, %.1f s after it started; written in the background in %.2f s (%.2f GB at "
+                 "%.2f GB/s), digests %.2f s", writing.final, time.perf_counter() - writing.started,
+                 written.write_seconds, written.nbytes / 1e9, written.metrics()["checkpoint/write_gbytes_per_s"],
+                 written.digest_seconds)
         return writing.final
 
     def _prune(self):

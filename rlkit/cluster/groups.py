@@ -2,12 +2,15 @@
 critic) and generation engines. Each method says how it dispatches: every rank, some ranks, or
 one data-parallel shard per rank."""
 
+import functools
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
 import ray
 import torch
 
+from rlkit.checkpoint import WrittenFiles
 from rlkit.cluster.worker_group import WorkerGroup
 from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.generation import Generations, SamplingParams
@@ -143,11 +146,11 @@ class ModelWorkers:
         reports = self.workers.every_rank(Model.save_checkpoint, directory, save_format)
         return {part: max(r[part] for r in reports) for part in reports[0]}
 
-    def finish_checkpoint(self, wait: bool) -> dict[str, str] | None:
+    def finish_checkpoint(self, wait: bool) -> WrittenFiles | None:
         """None while the last checkpoint is being written; once it is whole (with wait: once it
-        is), {path: SHA-256} of the files the ranks' background writers made."""
+        is), what the ranks' background writers made."""
         answers = self.workers.every_rank(Model.finish_checkpoint, wait)
-        return None if answers[0] is None else {path: digest for answer in answers for path, digest in answer.items()}
+        return None if answers[0] is None else functools.reduce(operator.or_, answers)
 
     def load_checkpoint(self, directory: str, save_format: str):
         self.workers.every_rank(Model.load_checkpoint, directory, save_format)

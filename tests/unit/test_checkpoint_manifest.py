@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlkit.checkpoint import MANIFEST, CheckpointManager, verify
+from rlkit.checkpoint import MANIFEST, CheckpointManager, WrittenFiles, verify
 from rlkit.config.schema import CheckpointConfig, ConfigError
 
 
@@ -40,7 +40,7 @@ class Models:
             torch.save({"torch": torch.get_rng_state()}, f"{directory}/rng/policy_rank_{rank}.pt")
         return {"held": 0.25, "stage": 0.125}
 
-    def saved(self, wait: bool) -> dict[str, str] | None:
+    def saved(self, wait: bool) -> WrittenFiles | None:
         """The writers' digest of the shard, as they report it."""
         if not wait and self.polls > 0:
             self.polls -= 1
@@ -50,7 +50,7 @@ class Models:
                 f.write(os.urandom(2048))
             self.digest = {self.shard: hashlib.sha256(open(self.shard, "rb").read()).hexdigest()}
             self.shard = None
-        return self.digest
+        return WrittenFiles(self.digest, nbytes=4096, write_seconds=0.5, digest_seconds=0.25)
 
 
 def save(checkpoints, step, models=None):
@@ -167,3 +167,18 @@ def test_a_checkpoint_is_whole_only_once_its_background_write_is(tmp_path):
     assert [p.name for p in checkpoints.complete()] == ["step_000001", "step_000002", "step_000003"]
     assert checkpoints.finish(wait=True).name == "step_000004"
     assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
+
+
+def test_the_background_write_is_reported_with_its_rate(tmp_path, caplog):
+    """Writers side by side (ranks, policy and critic): their bytes add up, the slowest one's
+    seconds count; the completed checkpoint's figures are kept for the step's metrics."""
+    ranks = WrittenFiles({"a": "1"}, 3 * 10**9, 2.0, 1.0) | WrittenFiles({"b": "2"}, 10**9, 4.0, 0.5)
+    assert ranks.digests == {"a": "1", "b": "2"}
+    assert ranks.metrics() == {"timing/checkpoint_write": 4.0, "timing/checkpoint_digest": 1.0,
+                               "checkpoint/written_gb": 4.0, "checkpoint/write_gbytes_per_s": 1.0}
+    assert WrittenFiles({}).metrics()["checkpoint/write_gbytes_per_s"] == 0.0  # nothing written in the background
+    checkpoints = manager(tmp_path)
+    with caplog.at_level(logging.INFO, logger="rlkit"):
+        save(checkpoints, 1)
+    assert checkpoints.last_write.metrics()["checkpoint/write_gbytes_per_s"] == 4096 / 0.5 / 1e9
+    assert "written in the background in 0.50 s (0.00 GB at 0.00 GB/s), digests 0.25 s" in caplog.text

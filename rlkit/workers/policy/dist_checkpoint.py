@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit.checkpoint import file_digests
+from rlkit.checkpoint import WrittenFiles, file_digests
 
 ON_GPU = torch.cuda.is_available()
 
@@ -34,7 +34,7 @@ class BackgroundSave:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.on_finished = None
-        self.digests: dict[str, str] = {}  # path of each file the thread wrote -> its SHA-256
+        self.written = WrittenFiles({})  # what the thread wrote last: files, SHA-256s, bytes, seconds
         self.staging: dict[tuple[int, int], torch.Tensor] = {}  # (file, item) -> host copy, reused
         # one strategy for every save: from the third on it reuses the global save plan (the
         # model's layout does not change), and access integrity is validated at the first only
@@ -68,19 +68,18 @@ class BackgroundSave:
             _, buckets, results = request.async_fn_args
             buckets = self._stage(buckets)
             transforms = request.async_fn.args[0]
-        self.request, self.on_finished, self.error, self.digests = request, on_finished, None, {}
+        self.request, self.on_finished, self.error, self.written = request, on_finished, None, WrittenFiles({})
         self.thread = threading.Thread(target=self._write, args=(transforms, buckets, results),
                                        name="checkpoint-writer", daemon=True)
         self.thread.start()
         return {"plan": planned - start, "stage": time.perf_counter() - planned}
 
-    def finish(self, wait: bool) -> dict[str, str] | None:
+    def finish(self, wait: bool) -> WrittenFiles | None:
         """None while a rank is still writing; once every rank's write is done (with wait: once it
-        is) the save is finalized and this rank's {path: SHA-256} of the files its thread wrote is
-        returned (again on later calls, until the next save). Collective; every rank gets the same
-        answer."""
+        is) the save is finalized and what this rank's thread wrote is returned (again on later
+        calls, until the next save). Collective; every rank gets the same answer."""
         if not self.pending:
-            return self.digests
+            return self.written
         if wait:
             self.thread.join()
         # one collective: is any rank still writing, has any rank failed
@@ -98,7 +97,7 @@ class BackgroundSave:
             finalize()
         if self.on_finished:
             self.on_finished()
-        return self.digests
+        return self.written
 
     def _stage(self, buckets: list) -> list:
         """The buckets with every tensor replaced by its host copy, in buffers kept for the next save."""
@@ -124,7 +123,7 @@ class BackgroundSave:
         # the whole process (meant for a forked writer, not a thread beside training)
         write = FileSystemWriterAsync.write_preloaded_data.__wrapped__
         try:
-            written = {}
+            start, written = time.perf_counter(), {}
             for index, bucket in enumerate(buckets):
                 local, count = queue.Queue(), _Count()
                 write(transforms, index, bucket, local, count, True)
@@ -132,8 +131,11 @@ class BackgroundSave:
                 if isinstance(outcome, Exception):
                     raise outcome
                 written[index] = outcome
-            paths = [path for path, _, _ in buckets]
-            self.digests = dict(zip(paths, file_digests([Path(p) for p in paths])))
+            wrote = time.perf_counter()
+            paths = [Path(path) for path, _, _ in buckets]
+            digests = dict(zip(map(str, paths), file_digests(paths)))
+            self.written = WrittenFiles(digests, sum(p.stat().st_size for p in paths), wrote - start,
+                                        time.perf_counter() - wrote)
             if results is not None:
                 results.put(written)
         except BaseException as e:  # reported by finish(), on every rank

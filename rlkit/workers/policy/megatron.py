@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rlkit.bridge.adapters import write_hf_peft_adapter
+from rlkit.checkpoint import WrittenFiles
 from rlkit.bridge.context_parallel import gather_sequence, padded_length, positions_on_rank, share_of_rank
 from rlkit.config.schema import ConfigError, PolicyConfig
 from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
@@ -572,10 +573,9 @@ class MegatronModelWorker:
             dist.barrier()
         return {"held": time.perf_counter() - held, **parts}
 
-    def finish_checkpoint(self, wait: bool) -> dict[str, str] | None:
+    def finish_checkpoint(self, wait: bool) -> WrittenFiles | None:
         """None while the last save_checkpoint is being written on some rank; once it is whole
-        (finalized here; wait: block until then), {path: SHA-256} of the files this rank's
-        writer made. Collective."""
+        (finalized here; wait: block until then), what this rank's writer made. Collective."""
         return self.background_save.finish(wait)
 
     def load_checkpoint(self, ckpt_dir: str, save_format: str):
