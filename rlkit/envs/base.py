@@ -123,7 +123,7 @@ def check_environment_config(target: str, kwargs: dict) -> str | None:
         for key, value in kwargs.items():
             param = params.get(key)
             # None fits a parameter whose default is None, annotated so or not (`x: float = None`)
-            if param is None or (value is None and param.default is None) or _fits(value, param.annotation):
+            if param is None or (value is None and param.default is None) or fits_annotation(value, param.annotation):
                 continue
             annotation = inspect.formatannotation(param.annotation)
             return (f"env.{key}: {target} takes {annotation} (got: {value!r:.100}, of type {type(value).__name__}); "
@@ -145,7 +145,7 @@ def check_environment_config(target: str, kwargs: dict) -> str | None:
 def _constructor_parameters(cls: type) -> dict[str, inspect.Parameter]:
     """The class's constructor parameters (self excluded), with annotations evaluated where they
     can be (a module with `from __future__ import annotations` has them as strings); one that
-    cannot be is left a string, which _fits does not check."""
+    cannot be is left a string, which fits_annotation does not check."""
     try:
         return dict(inspect.signature(cls, eval_str=True).parameters)
     except Exception:  # noqa: BLE001 - e.g. NameError: a name imported only under TYPE_CHECKING
@@ -156,15 +156,15 @@ def _constructor_parameters(cls: type) -> dict[str, inspect.Parameter]:
 _CHECKED = (bool, int, float, str, list, dict, tuple)
 
 
-def _fits(value, annotation) -> bool:
-    """Whether a config value fits a constructor annotation: int, float, bool, str, list, dict
+def fits_annotation(value, annotation) -> bool:
+    """Whether a config (or JSON) value fits an annotation: int, float, bool, str, list, dict
     (containers shallowly: list[int] takes any list), unions such as Optional[int] or int | None,
     and Literal. A bool fits only bool (though Python counts it an int), an int fits float (a
     recipe may well write 1 for 1.0) and a list fits tuple (YAML and JSON have no tuples). Other
     annotations (unannotated, Any, a class, Callable, a string left unevaluated) take anything."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, arg) for arg in typing.get_args(annotation))
+        return any(fits_annotation(value, arg) for arg in typing.get_args(annotation))
     if origin is typing.Literal:
         return value in typing.get_args(annotation)
     if annotation is None or annotation is type(None):

@@ -1,0 +1,185 @@
+"""Tools as plain Python: schemas from signatures, tool calls parsed from the model's text, and
+every way a call can fail answered with a tool message and counted."""
+
+import threading
+import time
+from typing import Literal
+
+import pytest
+
+from rlkit.envs.tools import (FAILURES, ParsedTurn, ToolBox, ToolCall, load_parser, methods_of, tool_metrics,
+                              tool_schema)
+
+
+def add(a: int, b: float = 1.0) -> float:
+    """Add two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def lookup(city: str, unit: Literal["C", "F"] = "C") -> dict:
+    """The temperature in a city.
+
+    Args:
+        city: the city's name
+        unit: degrees Celsius or Fahrenheit
+    """
+    if city == "Atlantis":
+        raise KeyError(f"no such city: {city}")
+    return {"city": city, "temperature": 21 if unit == "C" else 70}
+
+
+class Notebook:
+    """A class's public documented methods are its tools; the rest are not."""
+
+    def __init__(self):
+        self.notes: list[str] = []
+
+    def write(self, text: str) -> str:
+        """Keep a note.
+
+        Args:
+            text: what to keep
+        """
+        self.notes.append(text)
+        return f"{len(self.notes)} notes"
+
+    def helper(self, x: int) -> int:
+        return x
+
+    def _private(self, x: int) -> int:
+        """Not a tool.
+
+        Args:
+            x: anything
+        """
+        return x
+
+
+def test_schema_from_signature_and_docstring():
+    schema = tool_schema(lookup)
+    assert schema["type"] == "function"
+    function = schema["function"]
+    assert function["name"] == "lookup" and function["description"] == "The temperature in a city."
+    assert function["parameters"]["required"] == ["city"]
+    assert function["parameters"]["properties"] == {
+        "city": {"type": "string", "description": "the city's name"},
+        "unit": {"type": "string", "enum": ["C", "F"], "description": "degrees Celsius or Fahrenheit"}}
+    assert tool_schema(add)["function"]["parameters"]["properties"]["b"] == {"type": "number",
+                                                                               "description": "the second number"}
+
+
+def test_a_class_offers_its_documented_public_methods():
+    notebook = Notebook()
+    box = ToolBox(methods_of(notebook))
+    assert [s["function"]["name"] for s in box.schemas] == ["write"]
+    assert box.schemas[0]["function"]["parameters"]["required"] == ["text"]  # self is not a parameter
+    assert box.call(ToolCall("write", {"text": "hi"}, "")).content == "1 notes" and notebook.notes == ["hi"]
+
+
+def test_an_undescribable_tool_is_refused_when_declared():
+    def no_docs(x: int) -> int:
+        return x
+
+    def untyped(x):
+        """Untyped.
+
+        Args:
+            x: anything
+        """
+
+    for fn in (no_docs, untyped):
+        with pytest.raises(TypeError, match=rf"^tool {fn.__name__}: .*give it a type hint on every parameter"):
+            ToolBox([fn])
+
+
+HERMES = load_parser("hermes")
+
+
+def test_parser_reads_well_formed_calls_and_the_text_around_them():
+    turn = HERMES.parse('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+                        '<tool_call>{"name": "lookup", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>')
+    assert turn == ParsedTurn("Let me add.", [
+        ToolCall("add", {"a": 2, "b": 3}, '{"name": "add", "arguments": {"a": 2, "b": 3}}'),
+        ToolCall("lookup", {"city": "Oslo"}, '{"name": "lookup", "arguments": "{\\"city\\": \\"Oslo\\"}"}')])
+    assert HERMES.parse("The answer is 5.") == ParsedTurn("The answer is 5.", [])
+
+
+@pytest.mark.parametrize("text, kind, reason", [
+    ('<tool_call>{"name": "add", "arguments": {"a": 2,}}</tool_call>', "malformed", "not valid JSON"),
+    ('<tool_call>{"arguments": {"a": 2}}</tool_call>', "malformed", 'expected {"name"'),
+    ('<tool_call>["add", 2]</tool_call>', "malformed", 'expected {"name"'),
+    ('<tool_call>{"name": "add", "arguments": [2, 3]}</tool_call>', "malformed", "must be a JSON object"),
+    ('<tool_call>{"name": "add", "arguments": "{a: 2}"}</tool_call>', "malformed", "arguments are not valid JSON"),
+    ('Sure. <tool_call>{"name": "add", "argum', "partial", "cut off before </tool_call>"),
+])
+def test_parser_names_what_is_wrong_with_a_call(text, kind, reason):
+    call, = HERMES.parse(text).calls
+    assert call.kind == kind and reason in call.error
+
+
+def test_an_unknown_parser_is_named():
+    with pytest.raises(ValueError, match="unknown tool-call parser 'xml'.*'hermes'"):
+        load_parser("xml")
+
+
+def hangs(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+BOX = ToolBox([add, lookup, hangs], timeout_s=0.5)
+
+
+@pytest.mark.parametrize("text, failure, message", [
+    ('<tool_call>{"name": "add", "arguments": {"a": 2,}}</tool_call>', "malformed",
+     "Error: the tool call could not be read: not valid JSON"),
+    ('<tool_call>{"name": "add", "arg', "partial", "Error: the tool call could not be read: the call was cut off"),
+    ('<tool_call>{"name": "divide", "arguments": {"a": 1}}</tool_call>', "unknown_tool",
+     "Error: there is no tool named 'divide'; the tools are add, hangs, lookup."),
+    ('<tool_call>{"name": "add", "arguments": {"b": 1}}</tool_call>', "bad_arguments",
+     "Error: add(a: int, b: float = 1.0) -> float: missing a required argument: 'a'."),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "c": 2}}</tool_call>', "bad_arguments",
+     "got an unexpected keyword argument 'c'"),
+    ('<tool_call>{"name": "add", "arguments": {"a": "two"}}</tool_call>', "bad_arguments",
+     "a must be int (got 'two')"),
+    ('<tool_call>{"name": "lookup", "arguments": {"city": "Oslo", "unit": "K"}}</tool_call>', "bad_arguments",
+     "unit must be Literal['C', 'F'] (got 'K')"),
+    ('<tool_call>{"name": "lookup", "arguments": {"city": "Atlantis"}}</tool_call>', "raised",
+     "Error: lookup raised KeyError: 'no such city: Atlantis'"),
+    ('<tool_call>{"name": "hangs", "arguments": {"seconds": 30}}</tool_call>', "timeout",
+     "Error: hangs did not finish within 0.5 s."),
+])
+def test_every_failure_becomes_a_tool_message_and_a_count(text, failure, message):
+    result = BOX.call(HERMES.parse(text).calls[0])
+    assert result.failure == failure and message in result.content
+    assert result.message()["role"] == "tool" and result.message()["content"] == result.content
+    metrics = tool_metrics([result, BOX.call(ToolCall("add", {"a": 2}, ""))])
+    assert metrics["tools/calls"] == 2 and metrics["tools/valid_fraction"] == 0.5
+    assert metrics[f"tools/{failure}"] == 1 and sum(metrics[f"tools/{k}"] for k in FAILURES) == 1
+
+
+def test_a_call_that_returns_gives_its_value_as_text():
+    assert BOX.call(ToolCall("add", {"a": 2, "b": 0.5}, "")).content == "2.5"
+    assert BOX.call(ToolCall("add", {"a": 2}, "")).failure is None  # an int where a float is taken: fine
+    assert BOX.call(ToolCall("lookup", {"city": "Oslo", "unit": "F"}, "")).content == \
+        '{"city": "Oslo", "temperature": 70}'
+    long = ToolBox([lookup], max_result_chars=10).call(ToolCall("lookup", {"city": "Oslo"}, ""))
+    assert long.content.startswith('{"city": "') and long.content.endswith("more characters]")
+
+
+def test_a_hung_tool_holds_up_only_its_own_call():
+    started = time.perf_counter()
+    assert BOX.call(ToolCall("hangs", {"seconds": 5}, "")).failure == "timeout"
+    assert BOX.call(ToolCall("add", {"a": 1}, "")).content == "2.0"
+    assert time.perf_counter() - started < 4.5  # not the 5 s the tool sleeps
+    assert any(t.name == "tool-hangs" and t.daemon for t in threading.enumerate())  # left behind, a daemon
