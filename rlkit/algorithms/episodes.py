@@ -1,9 +1,9 @@
 """Episodes: generation and environment steps alternate until every episode is done.
 
-Only model-generated tokens are trained on: environment observations are appended to the
-sequence with response_mask 0, rendered as the prompts were (PromptRenderer), and the model's
-tokens are kept as generated, never re-tokenized. Single-turn is the same loop with
-env_runner.max_turns = 1.
+Only model-generated tokens are trained on: environment turns (a user observation, or the
+results of the model's tool calls) are appended to the sequence with response_mask 0, rendered
+as the prompts were (PromptRenderer), and the model's tokens are kept as generated, never
+re-tokenized. Single-turn is the same loop with env_runner.max_turns = 1.
 """
 
 from dataclasses import dataclass, field
@@ -120,7 +120,7 @@ def run_episodes(prompts: list[Prompt], renderer: PromptRenderer, generation: Ge
                                      "content": tokenizer.decode(ids, skip_special_tokens=True)})
         with timer("reward"):
             steps, counts = envs.step([(e.messages, e.metadata) for e in active])
-        for key, value in counts.items():
+        for key, value in [*counts.items(), *(item for step in steps for item in (step.counts or {}).items())]:
             failures[key] = failures.get(key, 0) + value
         for episode, step, generated in zip(active, steps, out.token_ids):
             episode.reward += step.reward
@@ -128,11 +128,12 @@ def run_episodes(prompts: list[Prompt], renderer: PromptRenderer, generation: Ge
             out_of_budget = turn == cfg.max_turns - 1 or episode.generated >= cfg.max_total_tokens
             episode.done = step.done or out_of_budget
             if not episode.done:
-                obs_ids = renderer.observation_ids(generated, step.observation)
-                episode.token_ids += obs_ids
-                episode.trained += [False] * len(obs_ids)
-                episode.logprobs += [0.0] * len(obs_ids)
-                episode.messages.append({"role": "user", "content": step.observation})
+                turn = step.tool_messages or [{"role": "user", "content": step.observation}]
+                turn_ids = renderer.appended_ids(generated, turn)
+                episode.token_ids += turn_ids
+                episode.trained += [False] * len(turn_ids)
+                episode.logprobs += [0.0] * len(turn_ids)
+                episode.messages += turn
     return _collate(episodes, tokenizer.pad_token_id, failures)
 
 

@@ -49,7 +49,7 @@ def load_prompts(cfg: RootConfig, tokenizer) -> TrainingData:
     renderer = PromptRenderer.of(tokenizer, cfg.data, cfg.env_runner.observation_format)
     if cfg.env_runner.max_turns > 1:
         try:  # a template that cannot take appended turns fails here, before any worker starts
-            renderer.observation_ids([], "probe")
+            renderer.appended_ids([], [{"role": "user", "content": "probe"}])
         except ValueError as e:
             raise ConfigError(f"data.chat_template: {e}") from None
     return TrainingData(*load_prompt_splits(cfg.data, renderer))

@@ -42,8 +42,9 @@ class PromptRenderer:
     """
 
     def __init__(self, tokenizer, chat_template: bool, system_prompt: str | None, prompt_format: str,
-                 observation_format: str):
-        self.tokenizer, self.chat_template = tokenizer, chat_template
+                 observation_format: str, tools: list[dict] | None = None):
+        """tools: the environment's tool schemas, which the chat template shows the model."""
+        self.tokenizer, self.chat_template, self.tools = tokenizer, chat_template, tools
         self.system_prompt, self.prompt_format, self.observation_format = system_prompt, prompt_format, observation_format
         if chat_template:
             # what the template writes after an assistant message's content, found with a marker
@@ -52,8 +53,9 @@ class PromptRenderer:
             self._base_text = rendered
 
     @classmethod
-    def of(cls, tokenizer, data: PromptDataConfig, observation_format: str) -> "PromptRenderer":
-        return cls(tokenizer, data.chat_template, data.system_prompt, data.prompt_format, observation_format)
+    def of(cls, tokenizer, data: PromptDataConfig, observation_format: str,
+           tools: list[dict] | None = None) -> "PromptRenderer":
+        return cls(tokenizer, data.chat_template, data.system_prompt, data.prompt_format, observation_format, tools)
 
     def messages(self, prompt: str | list[dict]) -> list[dict]:
         """The prompt as a conversation: the system prompt first (if any), and the last user
@@ -71,21 +73,24 @@ class PromptRenderer:
             return self._ids(self._render(messages, True))
         return self.tokenizer("".join(m["content"] for m in messages))["input_ids"]
 
-    def observation_ids(self, generated: list[int], observation: str) -> list[int]:
-        """Tokens appended after the model's `generated` tokens for an environment's next turn."""
+    def appended_ids(self, generated: list[int], messages: list[dict]) -> list[int]:
+        """Tokens appended after the model's `generated` tokens for the environment's next turn:
+        a user observation or tool results (role "tool"), as the template renders them after an
+        assistant turn; raw: each message's content in env_runner.observation_format."""
         if not self.chat_template:
-            return self._ids(self.observation_format.format(observation=observation))
+            return [i for m in messages for i in self._ids(self.observation_format.format(observation=m["content"]))]
         end = self._assistant_end
         done = max(k for k in range(len(end) + 1) if k <= len(generated) and generated[len(generated) - k:] == end[:k])
-        rendered = self._render(_PROBE_TURNS + [{"role": "user", "content": observation}], True)
+        rendered = self._render(_PROBE_TURNS + messages, True)
         if not rendered.startswith(self._base_text):
-            raise ValueError("the tokenizer's chat template renders earlier turns differently once a user turn "
-                             "follows, so turns cannot be appended; use data.chat_template=false or another "
-                             "template")
+            raise ValueError(f"the tokenizer's chat template renders earlier turns differently once a "
+                             f"{messages[0]['role']} turn follows, so turns cannot be appended; use "
+                             f"data.chat_template=false or another template")
         return end[done:] + self._ids(rendered[len(self._base_text):])
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  tools=self.tools)
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -8,7 +8,8 @@ Subclass `Environment` and implement `step`, or write a plain function
 model's latest answer) and the sample's metadata (every field of its dataset row except the
 prompt; the ground truth, data.answer_field, also under "answer"), and
 returns an EnvStep. A multi-turn episode continues while `done` is False: `observation` becomes
-the next user turn. Rewards of all turns are summed.
+the next user turn, or `tool_messages` (role "tool") answer the model's tool calls
+(rlkit/envs/tools: ToolEnvironment does this for you). Rewards of all turns are summed.
 """
 
 import importlib
@@ -38,6 +39,8 @@ class EnvStep:
     done: bool
     observation: str | None = None  # the next user turn when not done
     correct: bool | None = None  # optional: counted as train/accuracy
+    tool_messages: list[dict] | None = None  # instead of an observation: the results of the model's tool calls
+    counts: dict[str, float] | None = None  # added up over the step's episodes into its metrics (e.g. tools/*)
 
 
 class Environment:
@@ -90,8 +93,17 @@ def as_env_step(value: Any, multi_turn_allowed: bool = True) -> EnvStep:
         raise MalformedStepError(f"expected EnvStep or a number, got {type(value).__name__}: {value!r:.200}")
     if not isinstance(step.reward, (int, float)) or isinstance(step.reward, bool) or step.reward != step.reward:
         raise MalformedStepError(f"EnvStep.reward must be a finite number, got {step.reward!r:.100}")
-    if not step.done and not isinstance(step.observation, str):
-        raise MalformedStepError("EnvStep with done=False needs a string observation (the next user turn)")
+    if not step.done:
+        tools = step.tool_messages
+        if tools is not None and not (isinstance(tools, list) and tools and all(
+                isinstance(m, dict) and m.get("role") == "tool" and isinstance(m.get("content"), str) for m in tools)):
+            raise MalformedStepError("EnvStep.tool_messages must be a non-empty list of {'role': 'tool', 'content': "
+                                     f"str}} dicts, got {tools!r:.200}")
+        if tools is None and not isinstance(step.observation, str):
+            raise MalformedStepError("EnvStep with done=False needs a string observation (the next user turn) or "
+                                     "tool_messages")
+        if tools is not None and step.observation is not None:
+            raise MalformedStepError("EnvStep gives both an observation and tool_messages; give one")
     return step
 
 

@@ -161,7 +161,7 @@ def test_turns_are_appended_as_the_template_renders_them(tokenizer, template):
     turn_end = tok(end, add_special_tokens=False)["input_ids"][:1]  # the end-of-turn token
     for generated in [tok("7", add_special_tokens=False)["input_ids"] + turn_end,  # stopped at end-of-turn
                       tok("7", add_special_tokens=False)["input_ids"]]:  # ran out of tokens
-        ids = r.prompt_ids(messages) + generated + r.observation_ids(generated, "lower")
+        ids = r.prompt_ids(messages) + generated + r.appended_ids(generated, [{"role": "user", "content": "lower"}])
         whole = messages + [{"role": "assistant", "content": "7"}, {"role": "user", "content": "lower"}]
         rendered = tok.apply_chat_template(whole, tokenize=False, add_generation_prompt=True)
         assert ids == tok(rendered, add_special_tokens=False)["input_ids"]
@@ -169,7 +169,7 @@ def test_turns_are_appended_as_the_template_renders_them(tokenizer, template):
 
 def test_raw_observations_use_the_observation_format(tokenizer):
     r = renderer(tokenizer, data_config("unused", chat_template=False), observation_format=" {observation}\n")
-    assert r.observation_ids([5, 6], "higher") == tokenizer(" higher\n", add_special_tokens=False)["input_ids"]
+    assert r.appended_ids([5, 6], [{"role": "user", "content": "higher"}]) == tokenizer(" higher\n", add_special_tokens=False)["input_ids"]
 
 
 def test_word_problems_are_gsm8k_format_deterministic_and_disjoint():

@@ -7,8 +7,11 @@ from typing import Literal
 
 import pytest
 
-from rlkit.envs.tools import (FAILURES, ParsedTurn, ToolBox, ToolCall, load_parser, methods_of, tool_metrics,
-                              tool_schema)
+from rlkit.data.prompts import PromptRenderer
+from rlkit.envs.base import EnvStep, MalformedStepError, as_env_step
+from rlkit.envs.tools import (FAILURES, ParsedTurn, ToolBox, ToolCall, ToolEnvironment, load_parser, methods_of,
+                              tool_metrics, tool_schema)
+from rlkit.models.tiny import build_tokenizer
 
 
 def add(a: int, b: float = 1.0) -> float:
@@ -183,3 +186,86 @@ def test_a_hung_tool_holds_up_only_its_own_call():
     assert BOX.call(ToolCall("add", {"a": 1}, "")).content == "2.0"
     assert time.perf_counter() - started < 4.5  # not the 5 s the tool sleeps
     assert any(t.name == "tool-hangs" and t.daemon for t in threading.enumerate())  # left behind, a daemon
+
+
+class Calculator(ToolEnvironment):
+    """Multiplies with a tool; scores the final answer."""
+
+    def tools(self):
+        return [multiply]
+
+    def score(self, answer, metadata):
+        return EnvStep(reward=float(answer == metadata["answer"]), done=True, correct=answer == metadata["answer"])
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
+
+
+def test_a_tool_environment_answers_calls_and_scores_the_answer():
+    env = Calculator()
+    assert [s["function"]["name"] for s in env.tool_schemas()] == ["multiply"]
+    step = as_env_step(env.step([{"role": "assistant", "content": CALL + CALL.replace("12", "2")}], {"answer": "408"}))
+    assert not step.done and step.reward == 0.0
+    assert step.tool_messages == [{"role": "tool", "name": "multiply", "content": "408"},
+                                  {"role": "tool", "name": "multiply", "content": "68"}]
+    assert step.counts["tools/calls"] == 2 and step.counts["tools/valid_fraction"] == 1.0
+    bad = env.step([{"role": "assistant", "content": '<tool_call>{"name": "divide"}</tool_call>'}], {"answer": "408"})
+    assert bad.counts["tools/unknown_tool"] == 1 and "no tool named 'divide'" in bad.tool_messages[0]["content"]
+    final = env.step([{"role": "assistant", "content": "408"}], {"answer": "408"})
+    assert final.done and final.reward == 1.0 and final.correct
+
+
+@pytest.mark.parametrize("step, problem", [
+    (EnvStep(0.0, False, tool_messages=[]), "non-empty list"),
+    (EnvStep(0.0, False, tool_messages=[{"role": "user", "content": "x"}]), "non-empty list"),
+    (EnvStep(0.0, False, tool_messages=[{"role": "tool", "content": 5}]), "non-empty list"),
+    (EnvStep(0.0, False, observation="x", tool_messages=[{"role": "tool", "content": "5"}]), "give one"),
+    (EnvStep(0.0, False), "needs a string observation"),
+])
+def test_a_malformed_tool_step_is_named(step, problem):
+    with pytest.raises(MalformedStepError, match=problem):
+        as_env_step(step)
+
+
+def test_token_in_token_out_a_three_turn_tool_trajectory():
+    """Two tool calls and an answer: the trajectory is the prompt's ids, the engine's own ids for
+    each model turn and the template's rendering of each tool result, and together they are the
+    template's rendering of the whole conversation. Appended turns never depend on how the
+    model's text would be re-tokenized: the same turn sampled as other tokens gets the same
+    appended ids."""
+    tokenizer = build_tokenizer()
+    schemas = Calculator().tool_schemas()
+    renderer = PromptRenderer(tokenizer, True, None, "{prompt}", "{observation}", tools=schemas)
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    messages = [{"role": "user", "content": "What is 12*34+2*34?"}]
+    trajectory = renderer.prompt_ids(messages)
+    turns = [("The answer needs a tool. " + CALL, "408"), (CALL.replace("12", "2"), "68"), ("476", None)]
+    for text, result in turns:
+        generated = ids(text) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]  # the engine stops after end-of-turn
+        trajectory += generated
+        messages.append({"role": "assistant", "content": text})
+        if result is not None:
+            tool_turn = [{"role": "tool", "name": "multiply", "content": result}]
+            appended = renderer.appended_ids(generated, tool_turn)
+            trajectory += appended
+            messages += tool_turn
+            # one character per token, not as the tokenizer splits "answer": the same appended ids
+            retokenized = [i for ch in text for i in ids(ch)] + generated[-1:]
+            assert renderer.appended_ids(retokenized, tool_turn) == appended
+            assert retokenized != generated or "answer" not in text
+    whole = ids(tokenizer.apply_chat_template(messages, tokenize=False, tools=schemas))
+    assert whole == trajectory + ids("\n")  # the template ends the last turn with a newline the model did not write
+    assert "<tool_response>\n408\n</tool_response>" in tokenizer.decode(trajectory)

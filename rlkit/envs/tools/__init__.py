@@ -3,11 +3,14 @@
 schema.py   a tool's JSON schema, from its signature and docstring (what the chat template shows)
 parsing.py  the model's tool calls out of its text, in the format its chat template taught it
 toolbox.py  running calls with a time limit; every failure becomes a tool message and a count
+environment.py  ToolEnvironment: parse each turn, answer its calls, score the final answer
 """
 
+from rlkit.envs.tools.environment import ToolEnvironment
 from rlkit.envs.tools.parsing import PARSERS, ParsedTurn, ToolCall, ToolCallParser, load_parser
 from rlkit.envs.tools.schema import tool_schema
 from rlkit.envs.tools.toolbox import FAILURES, ToolBox, ToolResult, methods_of, tool_metrics
 
-__all__ = ["FAILURES", "PARSERS", "ParsedTurn", "ToolBox", "ToolCall", "ToolCallParser", "ToolResult",
+__all__ = ["FAILURES", "PARSERS", "ParsedTurn", "ToolBox", "ToolCall", "ToolCallParser", "ToolEnvironment",
+           "ToolResult",
            "load_parser", "methods_of", "tool_metrics", "tool_schema"]

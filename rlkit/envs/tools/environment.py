@@ -1,0 +1,54 @@
+"""An environment whose model may call tools before it answers.
+
+Each model turn is parsed for tool calls (the parser its chat template taught it, `parser`): a
+turn with calls gets their results back as tool messages and the episode goes on; a turn
+without calls is the answer, scored by `score`. The episode's turn and token budgets
+(env_runner.max_turns, max_total_tokens) end one that never answers.
+
+    class Calculator(ToolEnvironment):
+        def tools(self):
+            return [multiply]                      # typed functions with docstrings (or methods_of(self))
+
+        def score(self, answer, metadata):
+            return float(answer.strip() == metadata["answer"])
+"""
+
+from typing import Callable
+
+from rlkit.envs.base import Environment, EnvStep
+from rlkit.envs.tools.parsing import load_parser
+from rlkit.envs.tools.toolbox import ToolBox, tool_metrics
+
+
+class ToolEnvironment(Environment):
+    parser = "hermes"  # a name in rlkit.envs.tools.PARSERS, or an importable parser class
+    tool_timeout_s = 10.0  # a call that runs longer is answered with a timeout error
+
+    def tools(self) -> list[Callable]:
+        """The tools offered to the model."""
+        raise NotImplementedError
+
+    def score(self, answer: str, metadata: dict) -> EnvStep | float:
+        """The model's final answer (its last turn's text, no tool calls in it): an EnvStep, or a reward."""
+        raise NotImplementedError
+
+    @property
+    def toolbox(self) -> ToolBox:
+        if "_toolbox" not in self.__dict__:  # built on first use: subclasses need not call a constructor
+            self._toolbox = ToolBox(self.tools(), self.tool_timeout_s)
+            self._parser = load_parser(self.parser)
+        return self._toolbox
+
+    def tool_schemas(self) -> list[dict]:
+        """What the chat template shows the model (PromptRenderer's tools)."""
+        return self.toolbox.schemas
+
+    def step(self, messages: list[dict], metadata: dict) -> EnvStep:
+        toolbox = self.toolbox
+        turn = self._parser.parse(messages[-1]["content"])
+        if not turn.calls:
+            scored = self.score(turn.content, metadata)
+            return scored if isinstance(scored, EnvStep) else EnvStep(reward=float(scored), done=True)
+        results = [toolbox.call(call) for call in turn.calls]
+        return EnvStep(reward=0.0, done=False, tool_messages=[r.message() for r in results],
+                       counts=tool_metrics(results))
