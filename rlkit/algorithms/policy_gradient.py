@@ -36,6 +36,7 @@ from rlkit.data.batch import Batch, BatchTotals, batch_totals
 from rlkit.data.generation import SamplingParams
 from rlkit.data.prompts import Prompt, PromptRenderer, load_prompt_splits
 from rlkit.envs.runner import EnvironmentPool
+from rlkit.envs.tools import environment_tools
 from rlkit.observability.logprob_agreement import agreement_metrics, reference_kl
 from rlkit.observability.metrics import PhaseTimer
 from rlkit.observability.throughput import (DecoderShape, PhaseWork, forward_flops, peak_bf16_flops, phase_metrics,
@@ -43,10 +44,20 @@ from rlkit.observability.throughput import (DecoderShape, PhaseWork, forward_flo
 from rlkit.cluster.refit_driver import RefitDriver
 
 
+def prompt_renderer(cfg: RootConfig, tokenizer) -> PromptRenderer:
+    """Prompts and environment turns rendered as data.* and env_runner.observation_format say,
+    with the environment's tools (if it has any) shown by the chat template."""
+    return PromptRenderer.of(tokenizer, cfg.data, cfg.env_runner.observation_format, environment_tools(cfg.env))
+
+
 def load_prompts(cfg: RootConfig, tokenizer) -> TrainingData:
     """Prompts rendered to token ids (rlkit/data/prompts.py); environment turns are rendered the
     same way (env_runner.observation_format for raw text)."""
-    renderer = PromptRenderer.of(tokenizer, cfg.data, cfg.env_runner.observation_format)
+    renderer = prompt_renderer(cfg, tokenizer)
+    if renderer.tools:
+        problem = renderer.tools_problem()
+        if problem:
+            raise ConfigError(f"data.chat_template: {cfg.env['_target_']} offers tools, but {problem}")
     if cfg.env_runner.max_turns > 1:
         try:  # a template that cannot take appended turns fails here, before any worker starts
             renderer.appended_ids([], [{"role": "user", "content": "probe"}])
@@ -73,7 +84,7 @@ class PolicyGradientTrainer:
     def __init__(self, ctx: RunContext):
         cfg, workers = ctx.cfg, ctx.workers
         self.cfg, self.algorithm, self.train_rows, self.val_rows = cfg, ctx.algorithm, ctx.data.train, ctx.data.val
-        self.renderer = PromptRenderer.of(ctx.tokenizer, cfg.data, cfg.env_runner.observation_format)
+        self.renderer = prompt_renderer(cfg, ctx.tokenizer)
         self.policy, self.generation = workers.policy, workers.generation
         self.rows_per_step = cfg.algorithm.prompts_per_step
         a, g = cfg.algorithm, cfg.generation

@@ -73,6 +73,18 @@ class PromptRenderer:
             return self._ids(self._render(messages, True))
         return self.tokenizer("".join(m["content"] for m in messages))["input_ids"]
 
+    def tools_problem(self) -> str | None:
+        """Why the model would never see the tools, or None: raw prompts, or a chat template that
+        ignores apply_chat_template(tools=...)."""
+        if not self.chat_template:
+            return "raw prompts (data.chat_template=false) cannot show them; set data.chat_template=true"
+        probe = [{"role": "user", "content": "q"}]
+        shown = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, tools=self.tools)
+        if shown == self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True):
+            return ("the tokenizer's chat template ignores them (it renders nothing for apply_chat_template(tools=...)); "
+                    "use a model whose template shows tools")
+        return None
+
     def appended_ids(self, generated: list[int], messages: list[dict]) -> list[int]:
         """Tokens appended after the model's `generated` tokens for the environment's next turn:
         a user observation or tool results (role "tool"), as the template renders them after an

@@ -20,13 +20,15 @@ QWEN2_PRETOKENIZER = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-# ChatML; with tools (apply_chat_template(tools=...)) a system turn lists their schemas, and tool
-# results come back as user turns holding a <tool_response>, as Qwen2.5's template writes them
+# ChatML; with tools (apply_chat_template(tools=...)) a system turn lists them, and tool results
+# come back as user turns holding a <tool_response>, as Qwen2.5's template writes them. The list
+# is compact, name(parameters) per tool, where Qwen's holds whole JSON schemas: the tiny models
+# have 256 positions
 CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
-    "{% endif %}Call a tool as <tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call>. "
-    "Tools:\n<tools>{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools><|im_end|>\n"
-    "{% endif %}"
+    "{% endif %}Tools: {% for t in tools %}{{ t.function.name }}({{ t.function.parameters.properties | join(',') }})"
+    "{% if not loop.last %} {% endif %}{% endfor %}. Call: <tool_call>{\"name\":..,\"arguments\":{..}}</tool_call>"
+    "<|im_end|>\n{% endif %}"
     "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
     "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
     "<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endif %}"

@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlkit.algorithms.registry import load_algorithm
-from rlkit.checkpoint import CheckpointManager
+from rlkit.checkpoint import CheckpointManager, WrittenFiles
 from rlkit.cli import main
 from rlkit.config.schema import ConfigError
 from rlkit.data.files import GENERATED_MARKER
@@ -147,8 +147,8 @@ class NoModels:
     def save(self, directory) -> dict:
         return {"held": 0.0}
 
-    def saved(self, wait: bool) -> dict:
-        return {}
+    def saved(self, wait: bool) -> WrittenFiles:
+        return WrittenFiles({})
 
 
 @pytest.mark.parametrize("key, saved, asked", [("algorithm.max_staleness", 1, 2), ("algorithm.num_steps", 4, 6)])

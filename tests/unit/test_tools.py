@@ -7,10 +7,13 @@ from typing import Literal
 
 import pytest
 
+from rlkit.algorithms.policy_gradient import load_prompts
+from rlkit.config.schema import ConfigError
 from rlkit.data.prompts import PromptRenderer
 from rlkit.envs.base import EnvStep, MalformedStepError, as_env_step
-from rlkit.envs.tools import (FAILURES, ParsedTurn, ToolBox, ToolCall, ToolEnvironment, load_parser, methods_of,
-                              tool_metrics, tool_schema)
+from rlkit.envs.tools import (FAILURES, ParsedTurn, ToolBox, ToolCall, ToolEnvironment, environment_tools,
+                              load_parser, methods_of, tool_metrics, tool_schema)
+from rlkit.launch.config import load_config
 from rlkit.models.tiny import build_tokenizer
 
 
@@ -269,3 +272,23 @@ def test_token_in_token_out_a_three_turn_tool_trajectory():
     whole = ids(tokenizer.apply_chat_template(messages, tokenize=False, tools=schemas))
     assert whole == trajectory + ids("\n")  # the template ends the last turn with a newline the model did not write
     assert "<tool_response>\n408\n</tool_response>" in tokenizer.decode(trajectory)
+
+
+def test_the_prompts_show_the_environment_tools(tmp_path):
+    """env=calculator: the chat template lists its tools before the first user turn; a template
+    that ignores tools, or raw prompts, are refused before any worker starts."""
+    cfg, _ = load_config("grpo_tiny_cpu", ["env=calculator", "env_runner.max_turns=3", "data.chat_template=true",
+                                           f"run.cache_dir={tmp_path}"])
+    schemas = environment_tools(cfg.env)
+    assert [s["function"]["name"] for s in schemas] == ["add", "subtract", "multiply"]
+    assert environment_tools({"_target_": "rlkit.envs.arithmetic.ArithmeticEnv"}) is None
+    tokenizer = build_tokenizer()
+    prompt = tokenizer.decode(load_prompts(cfg, tokenizer).train[0].token_ids)
+    assert prompt.startswith("<|im_start|>system\nTools: add(a,b) subtract(a,b) multiply(a,b). Call: <tool_call>")
+    raw, _ = load_config("grpo_tiny_cpu", ["env=calculator", "data.chat_template=false", f"run.cache_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"^data.chat_template: rlkit.envs.calculator.CalculatorEnv offers tools, "
+                                          r"but raw prompts .* set data.chat_template=true"):
+        load_prompts(raw, tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ConfigError, match="the tokenizer's chat template ignores them"):
+        load_prompts(cfg, tokenizer)

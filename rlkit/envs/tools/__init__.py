@@ -6,11 +6,11 @@ toolbox.py  running calls with a time limit; every failure becomes a tool messag
 environment.py  ToolEnvironment: parse each turn, answer its calls, score the final answer
 """
 
-from rlkit.envs.tools.environment import ToolEnvironment
+from rlkit.envs.tools.environment import ToolEnvironment, environment_tools
 from rlkit.envs.tools.parsing import PARSERS, ParsedTurn, ToolCall, ToolCallParser, load_parser
 from rlkit.envs.tools.schema import tool_schema
 from rlkit.envs.tools.toolbox import FAILURES, ToolBox, ToolResult, methods_of, tool_metrics
 
-__all__ = ["FAILURES", "PARSERS", "ParsedTurn", "ToolBox", "ToolCall", "ToolCallParser", "ToolEnvironment",
+__all__ = ["FAILURES", "PARSERS", "environment_tools", "ParsedTurn", "ToolBox", "ToolCall", "ToolCallParser", "ToolEnvironment",
            "ToolResult",
            "load_parser", "methods_of", "tool_metrics", "tool_schema"]

@@ -52,3 +52,15 @@ class ToolEnvironment(Environment):
         results = [toolbox.call(call) for call in turn.calls]
         return EnvStep(reward=0.0, done=False, tool_messages=[r.message() for r in results],
                        counts=tool_metrics(results))
+
+
+def environment_tools(env_cfg: dict) -> list[dict] | None:
+    """The tool schemas of the environment env_cfg names (its `_target_` and keyword arguments),
+    or None when it offers no tools: what the prompts' chat template shows the model."""
+    from rlkit.envs.base import import_target, load_environment
+
+    target = env_cfg["_target_"]
+    cls = import_target(target)
+    if not (isinstance(cls, type) and issubclass(cls, ToolEnvironment)):
+        return None
+    return load_environment(target, {k: v for k, v in env_cfg.items() if k != "_target_"}).tool_schemas()

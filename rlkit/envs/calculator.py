@@ -1,0 +1,55 @@
+"""Arithmetic with a calculator the model calls as a tool: the answer must be exactly the integer
+in metadata["answer"]; the tools compute exactly, so a model that learns to call them can be
+right where its own arithmetic is not."""
+
+from rlkit.envs.arithmetic import parse_integer
+from rlkit.envs.base import EnvStep
+from rlkit.envs.tools import ToolEnvironment
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first term
+        b: the second term
+    """
+    return a + b
+
+
+def subtract(a: int, b: int) -> int:
+    """Subtract the second integer from the first.
+
+    Args:
+        a: the number to subtract from
+        b: the number to subtract
+    """
+    return a - b
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+class CalculatorEnv(ToolEnvironment):
+    metadata_fields = ("answer",)
+
+    def __init__(self, correct_reward: float = 1.0, wrong_reward: float = 0.0, tool_timeout_s: float = 5.0):
+        self.correct_reward, self.wrong_reward, self.tool_timeout_s = correct_reward, wrong_reward, tool_timeout_s
+
+    @staticmethod
+    def reference_response(metadata: dict) -> str:
+        return str(metadata["answer"])
+
+    def tools(self):
+        return [add, subtract, multiply]
+
+    def score(self, answer: str, metadata: dict) -> EnvStep:
+        correct = parse_integer(answer) == int(metadata["answer"])
+        return EnvStep(reward=self.correct_reward if correct else self.wrong_reward, done=True, correct=correct)
