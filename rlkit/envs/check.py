@@ -11,10 +11,19 @@ from pathlib import Path
 from rlkit.config.schema import ConfigError
 from rlkit.envs.base import check_environment_config, load_environment
 from rlkit.envs.runner import safe_step
+from rlkit.envs.tools import ToolEnvironment
 
 EXAMPLES = [{"prompt": "2+3=", "response": "5", "answer": "5"},
             {"prompt": "7+8=", "response": "14", "answer": "15"},
             {"prompt": "What is 6*7? End with \\boxed{}.", "response": "\\boxed{42}", "answer": "42"}]
+# a tool environment's default: a transcript that calls a tool, and one whose call is malformed
+_CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
+TOOL_EXAMPLES = [{"messages": [{"role": "user", "content": "12*34="}, {"role": "assistant", "content": _CALL},
+                               {"role": "tool", "content": "408"}, {"role": "assistant", "content": "408"}],
+                  "answer": "408"},
+                 {"messages": [{"role": "user", "content": "12*34="},
+                               {"role": "assistant", "content": "<tool_call>{multiply 12 34}</tool_call>"}],
+                  "answer": "408"}]
 SAMPLE_FORM = "an object with 'prompt' and 'response' (or 'messages': a list of {role, content}) and metadata"
 
 
@@ -38,10 +47,11 @@ def _json(text: str, where: str):
                           f"(a list of samples)") from None
 
 
-def read_samples(path: str | None) -> list[dict]:
-    """Rows with "prompt" and "response" (or "messages"), the rest is metadata; .jsonl or .json."""
+def read_samples(path: str | None) -> list[dict] | None:
+    """Rows with "prompt" and "response" (or "messages"), the rest is metadata; .jsonl or .json.
+    None without a path: the environment's kind picks the built-in examples."""
     if path is None:
-        return EXAMPLES
+        return None
     try:
         text = Path(path).read_text()
     except OSError as e:
@@ -86,24 +96,36 @@ class DaemonThreadExecutor(Executor):
         return future
 
 
-def check(target: str, kwargs: dict, samples: list[dict], timeout_s: float) -> int:
-    """Prints one block per sample; returns the number of failed calls."""
+def check(target: str, kwargs: dict, samples: list[dict] | None, timeout_s: float) -> int:
+    """Prints one block per sample (samples None: the built-in examples); returns the number of
+    failed calls. A tool environment is stepped at every assistant turn of a transcript, as a
+    run steps it: each turn's tool results, then the answer's score."""
     problem = check_environment_config(target, kwargs)
     if problem:
         raise ConfigError(problem)
     if not timeout_s > 0:
         raise ConfigError(f"--timeout-s: must be > 0 (got: {timeout_s}); give the seconds one call may take")
     env, executor, failures = load_environment(target, kwargs), DaemonThreadExecutor(), 0
+    tools = isinstance(env, ToolEnvironment)
+    samples = samples or (TOOL_EXAMPLES if tools else EXAMPLES)
     for i, row in enumerate(samples):
         messages = row.get("messages") or [{"role": "user", "content": row["prompt"]},
                                            {"role": "assistant", "content": row["response"]}]
         metadata = {k: v for k, v in row.items() if k not in ("prompt", "response", "messages")}
-        outcome, _ = safe_step(env, messages, metadata, timeout_s, executor)  # a stuck call holds only its own thread
         print(f"--- sample {i}: {messages[-1]['content']!r:.80} metadata={metadata}")
-        if outcome.step is not None:
-            print(f"    {outcome.step}")
-        else:
-            failures += 1
-            print(f"    FAILED ({outcome.failure}): {outcome.detail.strip()}")
+        turns = [n for n, m in enumerate(messages, 1) if m["role"] == "assistant"] if tools else [len(messages)]
+        for end in turns:
+            # a stuck call holds only its own thread
+            outcome, _ = safe_step(env, messages[:end], metadata, timeout_s, executor)
+            prefix = f"    turn {end}: " if tools else "    "
+            if outcome.step is None:
+                failures += 1
+                print(f"{prefix}FAILED ({outcome.failure}): {outcome.detail.strip()}")
+                break
+            if outcome.step.tool_messages:
+                for message in outcome.step.tool_messages:
+                    print(f"{prefix}{message['name'] or 'call'} -> {message['content']!r:.120}")
+            else:
+                print(f"{prefix}{outcome.step}")
     print(f"{target}: {len(samples) - failures}/{len(samples)} samples scored, {failures} failed")
     return failures

@@ -78,3 +78,16 @@ def test_hung_call_is_reported_failed_and_the_command_exits(tmp_path):
     assert time.monotonic() - start < 15
     assert result.returncode == 1, result.stderr
     assert "FAILED (timeout)" in result.stdout and "hangs.score: 0/1 samples scored, 1 failed" in result.stdout
+
+
+def test_a_tool_environment_is_stepped_at_every_assistant_turn(tmp_path):
+    """A transcript's tool calls are answered turn by turn and its answer scored; a malformed call
+    gets its error back as the tool message, not a failed sample."""
+    result = env_check(["rlkit.envs.calculator.CalculatorEnv"], tmp_path, timeout_s=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "    turn 2: multiply -> '408'" in lines
+    assert any(line.startswith("    turn 4: EnvStep(reward=1.0, done=True") for line in lines)
+    assert any(line.startswith("    turn 2: call -> 'Error: the tool call could not be read: not valid JSON")
+               for line in lines)
+    assert lines[-1] == "rlkit.envs.calculator.CalculatorEnv: 2/2 samples scored, 0 failed"

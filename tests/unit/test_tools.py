@@ -1,8 +1,11 @@
 """Tools as plain Python: schemas from signatures, tool calls parsed from the model's text, and
 every way a call can fail answered with a tool message and counted."""
 
+import re
+import textwrap
 import threading
 import time
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -292,3 +295,15 @@ def test_the_prompts_show_the_environment_tools(tmp_path):
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ConfigError, match="the tokenizer's chat template ignores them"):
         load_prompts(cfg, tokenizer)
+
+
+def test_the_readme_tool_example_works():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = textwrap.dedent(re.search(r"```python\n(\s*from rlkit.envs.tools import ToolEnvironment\n.*?)```", readme,
+                                     re.DOTALL).group(1))
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    env = namespace["Calculator"]()
+    step = env.step([{"role": "assistant", "content": CALL}], {"answer": "408"})
+    assert step.tool_messages == [{"role": "tool", "name": "multiply", "content": "408"}]
+    assert env.step([{"role": "assistant", "content": "408"}], {"answer": "408"}).reward == 1.0
