@@ -29,12 +29,13 @@ from rlkit.algorithms.off_policy import OffPolicyCorrection, off_policy_metrics
 # the family's config, checks and estimator adapter, re-exported for algorithms of one's own
 from rlkit.algorithms.policy_gradient_spec import (PolicyGradientConfig, kl_estimator,  # noqa: F401
                                                    max_response_tokens, per_sample, validate)
-from rlkit.algorithms.warm_start import sft_steps
+from rlkit.algorithms.warm_start import answer_example, episode_example, sft_steps
 from rlkit.cluster.groups import ModelWorkers
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.batch import Batch, BatchTotals, batch_totals
 from rlkit.data.generation import SamplingParams
 from rlkit.data.prompts import Prompt, PromptRenderer, load_prompt_splits
+from rlkit.envs.base import load_environment
 from rlkit.envs.runner import EnvironmentPool
 from rlkit.envs.tools import environment_tools
 from rlkit.observability.logprob_agreement import agreement_metrics, reference_kl
@@ -68,9 +69,14 @@ def load_prompts(cfg: RootConfig, tokenizer) -> TrainingData:
 
 def warm_start_on_answers(cfg: RootConfig, policy, tokenizer, data: TrainingData, out_dir) -> None:
     """A random-init model never answers, so every reward would be 0: SFT on the ground-truth
-    answers first (algorithm.warm_start)."""
+    answers first (algorithm.warm_start); for an environment that gives reference turns (a tool
+    environment: call the tool, then answer), on those whole episodes."""
     w = cfg.algorithm.warm_start
-    sft_steps(policy, tokenizer, data.train, w.sft_steps, w.batch_size, w.lr, cfg.run.seed)
+    env = load_environment(cfg.env["_target_"], {k: v for k, v in cfg.env.items() if k != "_target_"})
+    first = data.train[0]
+    example = episode_example(env, prompt_renderer(cfg, tokenizer), tokenizer.eos_token_id) \
+        if env.reference_turns(first.messages, first.metadata) is not None else answer_example(tokenizer)
+    sft_steps(policy, example, tokenizer.pad_token_id, data.train, w.sft_steps, w.batch_size, w.lr, cfg.run.seed)
 
 
 # extra dynamic-sampling rounds shift the sampling seed by this much per round: round 0 keeps the

@@ -4,7 +4,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from rlkit.algorithms.lr_schedule import check_learning_rate
 from rlkit.config.schema import ConfigError, RootConfig
@@ -17,22 +17,50 @@ if TYPE_CHECKING:  # Ray: loading a config imports this module (validate_warm_st
 log = logging.getLogger("rlkit")
 
 
-def sft_steps(policy: "ModelWorkers", tokenizer, dataset, steps: int, batch_size: int, lr: float,
-              seed: int) -> list[float]:
-    """`steps` optimizer steps of NLL on the ground-truth answer + EOS after each prompt's tokens
-    (dataset: Prompts, rlkit/data/prompts.py). Returns the loss of each step."""
+def answer_example(tokenizer) -> Callable:
+    """A prompt's example: its tokens, then the ground-truth answer + EOS, trained on."""
+    def example(prompt) -> tuple[list[int], list[bool]]:
+        target = tokenizer(str(prompt.metadata["answer"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return prompt.token_ids + target, [False] * len(prompt.token_ids) + [True] * len(target)
+    return example
+
+
+def episode_example(env, renderer, eos_id: int) -> Callable:
+    """A prompt's example as a whole episode: the environment's reference turns for the row
+    (env.reference_turns: what the model should write, e.g. a tool call, then the answer), each
+    + EOS and trained on, with what the environment answers each one (tool results, observations)
+    appended as a run appends them, not trained on."""
+    tokenizer = renderer.tokenizer
+
+    def example(prompt) -> tuple[list[int], list[bool]]:
+        ids, trained, messages = list(prompt.token_ids), [False] * len(prompt.token_ids), list(prompt.messages)
+        for content in env.reference_turns(prompt.messages, prompt.metadata):
+            generated = tokenizer(content, add_special_tokens=False)["input_ids"] + [eos_id]
+            ids, trained = ids + generated, trained + [True] * len(generated)
+            messages.append({"role": "assistant", "content": content})
+            step = env.step(messages, prompt.metadata)
+            if step.done:
+                break
+            turn = step.tool_messages or [{"role": "user", "content": step.observation}]
+            appended = renderer.appended_ids(generated, turn)
+            ids, trained, messages = ids + appended, trained + [False] * len(appended), messages + turn
+        return ids, trained
+    return example
+
+
+def sft_steps(policy: "ModelWorkers", example: Callable, pad_id: int, dataset, steps: int, batch_size: int,
+              lr: float, seed: int) -> list[float]:
+    """`steps` optimizer steps of NLL on the trained tokens of each prompt's example (example(prompt)
+    -> (token ids, trained flags): answer_example, episode_example; dataset: Prompts,
+    rlkit/data/prompts.py). Returns the loss of each step."""
     from rlkit.algorithms.objectives import NextTokenNLL
-    from rlkit.data.batch import batch_totals, supervised_batch
+    from rlkit.data.batch import batch_totals, masked_batch
 
     rows = ShuffledStream(dataset, batch_size, seed)
     policy.set_learning_rate(lr)
     losses = []
     for step in range(1, steps + 1):
-        batch_rows = next(rows)
-        prompts = [p.token_ids for p in batch_rows]
-        targets = [tokenizer(str(p.metadata["answer"]), add_special_tokens=False)["input_ids"]
-                   + [tokenizer.eos_token_id] for p in batch_rows]
-        batch = supervised_batch(prompts, targets, tokenizer.pad_token_id)
+        batch = masked_batch([example(p) for p in next(rows)], pad_id)
         losses.append(policy.train(batch, batch_totals(batch["loss_mask"]), NextTokenNLL())["loss"])
         if step % 10 == 0 or step == steps:
             log.info("warm start SFT step %d/%d: loss %.3f", step, steps, losses[-1])

@@ -109,8 +109,13 @@ def rollout_batch(prompt_ids: list[list[int]], generations, pad_id: int) -> Batc
 
 def supervised_batch(prompt_ids: list[list[int]], target_ids: list[list[int]], pad_id: int) -> Batch:
     """prompt+target rows; loss_mask marks the target tokens."""
-    input_ids = right_pad([p + t for p, t in zip(prompt_ids, target_ids)], pad_id)
+    return masked_batch([(p + t, [False] * len(p) + [True] * len(t)) for p, t in zip(prompt_ids, target_ids)], pad_id)
+
+
+def masked_batch(rows: list[tuple[list[int], list[bool]]], pad_id: int) -> Batch:
+    """Rows of (token ids, whether each is trained on); loss_mask marks the trained tokens."""
+    input_ids = right_pad([ids for ids, _ in rows], pad_id)
     loss_mask = torch.zeros(input_ids.shape, dtype=torch.float32)
-    for i, (p, t) in enumerate(zip(prompt_ids, target_ids)):
-        loss_mask[i, len(p):len(p) + len(t)] = 1.0
+    for i, (_, trained) in enumerate(rows):
+        loss_mask[i, :len(trained)] = torch.tensor(trained, dtype=torch.float32)
     return Batch({"input_ids": input_ids, "loss_mask": loss_mask})

@@ -65,6 +65,12 @@ class Environment:
         budget cannot hold these responses is refused (none fits) or warned about (some do not)."""
         return None
 
+    def reference_turns(self, messages: list[dict], metadata: dict) -> list[str] | None:
+        """What the model should write for a row, turn by turn (e.g. a tool call, then the
+        answer), given its prompt's messages: a warm start (algorithm.warm_start) then trains on
+        whole episodes, the environment answering each turn. None: it trains on metadata["answer"]."""
+        return None
+
     def step(self, messages: list[dict], metadata: dict) -> EnvStep:
         raise NotImplementedError
 

@@ -2,6 +2,9 @@
 in metadata["answer"]; the tools compute exactly, so a model that learns to call them can be
 right where its own arithmetic is not."""
 
+import json
+import re
+
 from rlkit.envs.arithmetic import parse_integer
 from rlkit.envs.base import EnvStep
 from rlkit.envs.tools import ToolEnvironment
@@ -37,6 +40,10 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+_PROBLEM = re.compile(r"(-?\d+)\s*([-+*])\s*(-?\d+)\s*=\s*$")
+_TOOL_OF = {"+": "add", "-": "subtract", "*": "multiply"}
+
+
 class CalculatorEnv(ToolEnvironment):
     metadata_fields = ("answer",)
 
@@ -49,6 +56,15 @@ class CalculatorEnv(ToolEnvironment):
 
     def tools(self):
         return [add, subtract, multiply]
+
+    def reference_turns(self, messages: list[dict], metadata: dict) -> list[str] | None:
+        """For "a<op>b=" prompts: call the operation's tool, then answer what it returned."""
+        match = _PROBLEM.search(messages[-1]["content"]) if messages else None
+        if match is None:
+            return None
+        a, op, b = match.groups()
+        call = {"name": _TOOL_OF[op], "arguments": {"a": int(a), "b": int(b)}}
+        return [f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>", str(metadata["answer"])]
 
     def score(self, answer: str, metadata: dict) -> EnvStep:
         correct = parse_integer(answer) == int(metadata["answer"])

@@ -10,10 +10,12 @@ from typing import Literal
 
 import pytest
 
-from rlkit.algorithms.policy_gradient import load_prompts
+from rlkit.algorithms.policy_gradient import load_prompts, prompt_renderer
+from rlkit.algorithms.warm_start import episode_example
 from rlkit.config.schema import ConfigError
-from rlkit.data.prompts import PromptRenderer
+from rlkit.data.prompts import Prompt, PromptRenderer
 from rlkit.envs.base import EnvStep, MalformedStepError, as_env_step
+from rlkit.envs.calculator import CalculatorEnv
 from rlkit.envs.tools import (FAILURES, ParsedTurn, ToolBox, ToolCall, ToolEnvironment, environment_tools,
                               load_parser, methods_of, tool_metrics, tool_schema)
 from rlkit.launch.config import load_config
@@ -307,3 +309,25 @@ def test_the_readme_tool_example_works():
     step = env.step([{"role": "assistant", "content": CALL}], {"answer": "408"})
     assert step.tool_messages == [{"role": "tool", "name": "multiply", "content": "408"}]
     assert env.step([{"role": "assistant", "content": "408"}], {"answer": "408"}).reward == 1.0
+
+
+def test_a_warm_start_example_is_a_whole_tool_episode(tmp_path):
+    """CalculatorEnv's reference turns for "37*58=": the call, then the answer, each trained on
+    and ended with EOS; the tool's result between them as the environment answers it, not trained
+    on: the tokens a run would append."""
+    cfg, _ = load_config("grpo_tiny_cpu", ["env=calculator", "data.chat_template=true", f"run.cache_dir={tmp_path}"])
+    tokenizer = build_tokenizer()
+    renderer = prompt_renderer(cfg, tokenizer)
+    messages = [{"role": "user", "content": "37*58="}]
+    prompt = Prompt(messages, renderer.prompt_ids(messages), {"answer": "2146"})
+    env = CalculatorEnv()
+    ids, trained = episode_example(env, renderer, tokenizer.eos_token_id)(prompt)
+    call = '<tool_call>{"name":"multiply","arguments":{"a":37,"b":58}}</tool_call>'
+    assert env.reference_turns(messages, prompt.metadata) == [call, "2146"]
+    trained_text = tokenizer.decode([i for i, t in zip(ids, trained) if t])
+    assert trained_text == call + "<|endoftext|>2146<|endoftext|>"
+    assert tokenizer.decode(ids[len(prompt.token_ids):]) == (
+        call + "<|endoftext|><|im_end|>\n<|im_start|>user\n<tool_response>\n2146\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n2146<|endoftext|>")
+    assert ids[:len(prompt.token_ids)] == prompt.token_ids and not any(trained[:len(prompt.token_ids)])
+    assert env.reference_turns([{"role": "user", "content": "what?"}], {"answer": "1"}) is None
