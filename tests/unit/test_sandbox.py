@@ -225,3 +225,45 @@ class TestWithoutBubblewrap:
         assert "not allowed" in weak("import socket\nsocket.socket()").stderr
         assert "not allowed" in weak("import os\nos.system('true')").stderr
         assert "not allowed" in weak("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))").stderr
+
+
+CODE_TOOL_ESCAPES = {  # snippet -> what the tool message says; each also runs, unconfined, as a host process
+    "network": ("import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).close()", "exit code 1"),
+    "write outside its folder": ("open({target!r}, 'w').write('x')", "exit code 1"),
+    "memory": ("block = bytearray(300 << 20)", "over 256 MB of memory"),
+    "wall clock": ("import time\ntime.sleep(60)", "stopped after 3 s"),
+}
+
+
+@needs_bwrap
+@pytest.mark.parametrize("escape", CODE_TOOL_ESCAPES)
+def test_the_code_tool_keeps_the_sandbox_limits(escape, listener, tmp_path):
+    """run_python offered as a tool: the escapes the code reward stops fail the same way, and the
+    model reads why in the tool message (the same snippet succeeds outside the sandbox)."""
+    from rlkit.envs.tools import ToolBox, ToolCall
+    from rlkit.envs.tools.code import PythonSandbox
+
+    snippet, said = CODE_TOOL_ESCAPES[escape]
+    target = tmp_path / "escaped.txt"
+    snippet = snippet.format(port=listener.getsockname()[1], target=str(target))
+    box = ToolBox([PythonSandbox(LIMITS).run_python], timeout_s=30)
+    result = box.call(ToolCall("run_python", {"code": snippet}, ""))
+    assert result.failure is None and said in result.content, result.content  # the tool answered, the program failed
+    assert not target.exists()
+    if escape == "network":
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    if escape != "wall clock":
+        assert outside(snippet).returncode == 0
+
+
+@needs_bwrap
+def test_the_code_tool_returns_what_the_program_prints():
+    from rlkit.envs.tools import ToolBox, ToolCall
+    from rlkit.envs.tools.code import PythonSandbox
+
+    box = ToolBox([PythonSandbox(LIMITS).run_python])
+    assert box.schemas[0]["function"]["parameters"]["required"] == ["code"]
+    assert box.call(ToolCall("run_python", {"code": "print(sum(range(10)))"}, "")).content == "45\n"
+    failed = box.call(ToolCall("run_python", {"code": "1/0"}, "")).content
+    assert failed.startswith("[exit code 1]\n") and "ZeroDivisionError" in failed

@@ -4,6 +4,7 @@ schema.py   a tool's JSON schema, from its signature and docstring (what the cha
 parsing.py  the model's tool calls out of its text, in the format its chat template taught it
 toolbox.py  running calls with a time limit; every failure becomes a tool message and a count
 environment.py  ToolEnvironment: parse each turn, answer its calls, score the final answer
+code.py     PythonSandbox.run_python: model-written programs as a tool, in the code sandbox
 """
 
 from rlkit.envs.tools.environment import ToolEnvironment, environment_tools
