@@ -16,6 +16,7 @@ from rlkit.data.batch import Batch, right_pad
 from rlkit.data.generation import SamplingParams
 from rlkit.data.prompts import Prompt, PromptRenderer
 from rlkit.envs.runner import EnvironmentPool
+from rlkit.envs.tools.toolbox import valid_fraction
 from rlkit.observability.metrics import PhaseTimer
 
 
@@ -53,7 +54,8 @@ class Episodes:
         accuracy = {f"{split}/accuracy": self.correct[scored].mean().item(),
                     f"{split}/accuracy_scored": int(scored.sum())} if scored.any() else {}
         return {f"{split}/reward": self.rewards.mean().item(), **accuracy,
-                f"{split}/response_length": self.batch["response_mask"].sum(1).mean().item(), **self.metrics}
+                f"{split}/response_length": self.batch["response_mask"].sum(1).mean().item(), **self.metrics,
+                **valid_fraction(self.metrics)}
 
     def select(self, rows: list[int]) -> "Episodes":
         """These rows, in this order; metrics stay those of the whole rollout."""

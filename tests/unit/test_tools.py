@@ -17,7 +17,7 @@ from rlkit.data.prompts import Prompt, PromptRenderer
 from rlkit.envs.base import EnvStep, MalformedStepError, as_env_step
 from rlkit.envs.calculator import CalculatorEnv
 from rlkit.envs.tools import (FAILURES, ParsedTurn, ToolBox, ToolCall, ToolEnvironment, environment_tools,
-                              load_parser, methods_of, tool_metrics, tool_schema)
+                              load_parser, methods_of, tool_metrics, tool_schema, valid_fraction)
 from rlkit.launch.config import load_config
 from rlkit.models.tiny import build_tokenizer
 
@@ -175,7 +175,8 @@ def test_every_failure_becomes_a_tool_message_and_a_count(text, failure, message
     assert result.failure == failure and message in result.content
     assert result.message()["role"] == "tool" and result.message()["content"] == result.content
     metrics = tool_metrics([result, BOX.call(ToolCall("add", {"a": 2}, ""))])
-    assert metrics["tools/calls"] == 2 and metrics["tools/valid_fraction"] == 0.5
+    assert metrics["tools/calls"] == 2 and metrics["tools/returned"] == 1
+    assert valid_fraction(metrics) == {"tools/valid_fraction": 0.5} and valid_fraction({}) == {}
     assert metrics[f"tools/{failure}"] == 1 and sum(metrics[f"tools/{k}"] for k in FAILURES) == 1
 
 
@@ -226,7 +227,7 @@ def test_a_tool_environment_answers_calls_and_scores_the_answer():
     assert not step.done and step.reward == 0.0
     assert step.tool_messages == [{"role": "tool", "name": "multiply", "content": "408"},
                                   {"role": "tool", "name": "multiply", "content": "68"}]
-    assert step.counts["tools/calls"] == 2 and step.counts["tools/valid_fraction"] == 1.0
+    assert step.counts["tools/calls"] == 2 and step.counts["tools/returned"] == 2
     bad = env.step([{"role": "assistant", "content": '<tool_call>{"name": "divide"}</tool_call>'}], {"answer": "408"})
     assert bad.counts["tools/unknown_tool"] == 1 and "no tool named 'divide'" in bad.tool_messages[0]["content"]
     final = env.step([{"role": "assistant", "content": "408"}], {"answer": "408"})

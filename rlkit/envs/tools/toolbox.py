@@ -111,9 +111,13 @@ class ToolBox:
 
 
 def tool_metrics(results: list[ToolResult]) -> dict[str, float]:
-    """Counts over a step's calls: tools/calls, tools/valid_fraction (calls that returned), and
-    tools/<failure> for every failure kind (0 when none)."""
+    """Counts over calls, which add up over episodes and steps: tools/calls, tools/returned (the
+    calls whose tool returned), and tools/<failure> for every failure kind (0 when none)."""
     failures = Counter(r.failure for r in results)
-    return {"tools/calls": float(len(results)),
-            "tools/valid_fraction": failures[None] / len(results) if results else 0.0,
+    return {"tools/calls": float(len(results)), "tools/returned": float(failures[None]),
             **{f"tools/{kind}": float(failures[kind]) for kind in FAILURES}}
+
+
+def valid_fraction(counts: dict[str, float]) -> dict[str, float]:
+    """tools/valid_fraction from added-up counts (tool_metrics): the share of calls that returned."""
+    return {"tools/valid_fraction": counts["tools/returned"] / counts["tools/calls"]} if counts.get("tools/calls") else {}
