@@ -24,7 +24,7 @@ from rlkit.checkpoint import MANIFEST, CheckpointManager
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.launch.config import load_config
-from rlkit.launch.run import train
+from rlkit.launch.run import export_hf, train
 
 pytestmark = pytest.mark.integration
 RUN = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3", "algorithm.prompts_per_step=8",
@@ -128,7 +128,8 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     """grpo_tiny_lora_cpu killed after step 3 and started again ends with exactly the metrics of the
     same run uninterrupted: its checkpoints hold the adapters and their optimizer state, and the base
     is the cached warm start they record. `rlkit convert` turns the last one into an HF PEFT
-    adapter that peft loads over that base, and with --merged into the merged model."""
+    adapter that peft loads over that base, and with --merged (export_hf here, on the session's
+    cluster: the command's own start-up is the one above) into the merged model."""
     from peft import PeftModel
 
     uninterrupted, killed = tmp_path_factory.mktemp("lora_uninterrupted"), tmp_path_factory.mktemp("lora_killed")
@@ -151,10 +152,11 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     # a checkpoint of every weight holds the base and Adam's two moments of it: three times base_bytes
     assert sum(path.stat().st_size for path in (last / "policy").rglob("*") if path.is_file()) < base_bytes / 2
     tokens = torch.tensor([[1, 2, 3, 4, 5]])
-    for name, flags in [("adapter", []), ("merged", ["--merged"])]:
-        convert = subprocess.run([sys.executable, "-m", "rlkit.cli", "convert", str(last), str(killed / name), *flags],
-                                 capture_output=True, text=True, timeout=600)
-        assert convert.returncode == 0, convert.stderr[-3000:]
+    convert = subprocess.run([sys.executable, "-m", "rlkit.cli", "convert", str(last), str(killed / "adapter")],
+                             capture_output=True, text=True, timeout=600)
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    assert f"HF PEFT adapter written to {killed / 'adapter'}" in convert.stdout
+    export_hf(last, killed / "merged", merged=True)
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), killed / "adapter").eval()
         converted = {"adapter": peft_model(tokens).logits,
@@ -190,15 +192,13 @@ def test_distributed_optimizer_resumes_exactly(model_workers, make_cfg, tiny_qwe
 
 @pytest.mark.parametrize("save_format", ["dist", "hf"])
 def test_convert_exports_hf_weights(ray_cluster, make_cfg, tmp_path, save_format):
+    """`rlkit convert`'s export (the command itself runs in the LoRA test above) from either format."""
     cfg, resolved = make_cfg("algorithm.num_steps=1", "algorithm.prompts_per_step=8",
                              "policy.train_global_batch_size=64", f"checkpoint.save_format={save_format}",
                              f"run.output_dir={tmp_path}")
     train(cfg, resolved)
     checkpoint = tmp_path / "grpo_tiny_cpu" / "checkpoints" / "step_000001"
-    out = tmp_path / "exported"
-    convert = subprocess.run([sys.executable, "-m", "rlkit.cli", "convert", str(checkpoint), str(out)],
-                             capture_output=True, text=True, timeout=600)
-    assert convert.returncode == 0, convert.stderr[-3000:]
+    out = export_hf(checkpoint, tmp_path / "exported")
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
 
