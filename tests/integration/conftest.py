@@ -70,7 +70,8 @@ class ModelWorkerPool:
         self.actors: dict[str, list] = {}
 
     def start(self, cfg, model_dir, head: str = "lm") -> ModelWorkers:
-        """cfg's policy (head "lm") or critic (head "value") on model_dir's weights, set up."""
+        """cfg's policy (head "lm") or critic (head "value") on model_dir's weights, set up. What an
+        earlier start() returned is gone then: its processes hold this model now."""
         model_cfg = cfg.policy if head == "lm" else critic_config(cfg)
         args = model_worker_args(cfg, model_cfg, str(model_dir), head)
         actors = self.actors.setdefault(model_cfg.bridge, [])
@@ -80,7 +81,7 @@ class ModelWorkerPool:
         group = WorkerGroup("policy" if head == "lm" else "critic", actors[:model_cfg.num_workers],
                             cfg.cluster.call_timeout_s)
         group.wait(resets, "reset")
-        group.every_rank(Model.setup, *free_address())
+        group.every_rank(Model.setup, *free_address())  # the session's one node is this process's
         return ModelWorkers(group)
 
     def shutdown(self):
