@@ -56,7 +56,7 @@ def estimate(trainer: "PPO", rewards: torch.Tensor, group_ids: torch.Tensor) -> 
 class PPO(PolicyGradientTrainer):
     def start_critic(self, ctx):
         """Initialised from the checkpoint the policy starts from (after any warm start)."""
-        critic, a = start_critic(ctx.workers, str(ctx.start_dir)), ctx.cfg.algorithm
+        critic, a = start_critic(ctx.cfg, ctx.workers, str(ctx.start_dir)), ctx.cfg.algorithm
         self.value_objective = ValueRegression(a.critic.value_clip, a.loss_aggregation,
                                                policy_gradient.max_response_tokens(ctx.cfg))
         self.critic_lr = schedule_of(ctx.cfg.policy.optimizer, a.num_steps * self.minibatches, lr=a.critic.lr)

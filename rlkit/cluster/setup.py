@@ -30,15 +30,14 @@ class RunWorkers:
     started_cluster: bool
     placement: Placement
     device: str
-    critic_processes: WorkerGroup | None = None  # PPO: started with the policy's, set up by start_critic
     critic: ModelWorkers | None = None  # PPO: added by start_critic
 
     def shutdown(self, keep_ray_logs: bool = False):
         if self.generation is not None:
             self.generation.close()
-        for group in (self.policy.workers, self.generation and self.generation.workers, self.critic_processes):
+        for group in (self.policy, self.generation, self.critic):
             if group is not None:
-                group.kill()
+                group.workers.kill()
         remove_placement_group(self.placement_group)
         if self.started_cluster:
             stop_local_ray(keep_ray_logs)
@@ -59,9 +58,8 @@ def _generation_worker(cfg: RootConfig, model_dir: str) -> tuple[type, Callable[
 
 def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
                   with_critic: bool = False, clock: StartupClock | None = None) -> RunWorkers:
-    """Policy (and generation) workers on a new placement group; with_critic also starts the
-    processes of the critic, on the policy's bundles, which start_critic sets up later. clock:
-    where the phases' seconds go."""
+    """Policy (and generation) workers on a new placement group; with_critic reserves room on the
+    policy's bundles for the critic that start_critic adds later. clock: where the phases' seconds go."""
     clock = clock or StartupClock()
     with clock.phase("ray"):
         started = join_or_start_ray(cfg.cluster)
@@ -80,44 +78,36 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
                            f"for cluster.placement={cfg.cluster.placement}; it has {ray.cluster_resources()}. "
                            f"Lower policy.num_workers / generation.num_workers or raise cluster.num_cpus") from None
     try:
-        return _start_groups(cfg, model_dir, pg, placement, device, started, with_generation, with_critic, clock)
+        return _start_groups(cfg, model_dir, pg, placement, device, started, with_generation, clock)
     except BaseException:
         # a worker that failed to start must not leave its bundles reserved for the next attempt
         remove_placement_group(pg)
         raise
 
 
-def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation, with_critic,
-                  clock) -> RunWorkers:
+def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation, clock) -> RunWorkers:
     c = cfg.cluster
     # Generation first: vLLM sizes its KV cache from the free memory it measures at start-up,
     # which a policy allocating on the same GPU at the same time would falsify.
-    # The policy's (and the critic's) processes start and import meanwhile; they build once the engines are up.
+    # The policy's processes start and import meanwhile; they build once the engines are up.
     generation = None
     created = time.time()
-
-    def start_models() -> tuple[WorkerGroup, WorkerGroup | None]:
-        policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
-        critic = _megatron_group("critic", cfg, critic_config(cfg), model_dir, pg, placement, device,
-                                 head="value") if with_critic else None
-        return policy, critic
-
     if with_generation:
         generation_cls, generation_args = _generation_worker(cfg, model_dir)
         with clock.phase("generation_workers"):
             generation = GenerationWorkers(WorkerGroup.start("generation", generation_cls, pg,
                                                              placement.generation_bundles, placement.share, device,
                                                              generation_args, c.call_timeout_s))
-            policy, critic = start_models()
+            policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
             generation.sleep()  # also waits until every engine is up
         clock.add_workers("generation_workers", created, generation.workers.every_rank(Engine.startup_phases))
     else:
-        policy, critic = start_models()
+        policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
     with clock.phase("policy_workers"):
         _set_up(policy, pg, placement)
     clock.add_workers("policy_workers", created, policy.every_rank(Model.startup_phases))
     _log_nodes(policy, generation.workers if generation else None)
-    return RunWorkers(ModelWorkers(policy), generation, pg, started, placement, device, critic_processes=critic)
+    return RunWorkers(ModelWorkers(policy), generation, pg, started, placement, device)
 
 
 def _log_nodes(policy: WorkerGroup, generation: WorkerGroup | None) -> None:
@@ -127,12 +117,13 @@ def _log_nodes(policy: WorkerGroup, generation: WorkerGroup | None) -> None:
         log.info("nodes: " + "; ".join(f"{role} on {', '.join(ips)}" for role, ips in nodes.items() if ips))
 
 
-def start_critic(workers: RunWorkers, model_dir: str) -> ModelWorkers:
-    """PPO's critic (its processes started by start_workers with_critic): the policy's layout and
-    optimizer settings (learning rate algorithm.critic.lr), a value head on the trunk of the
-    checkpoint at model_dir (the policy's start, which a warm start may have written since)."""
-    _set_up(workers.critic_processes, workers.placement_group, workers.placement, model_dir)
-    workers.critic = ModelWorkers(workers.critic_processes)
+def start_critic(cfg: RootConfig, workers: RunWorkers, model_dir: str) -> ModelWorkers:
+    """PPO's critic: the policy's layout and optimizer settings (learning rate algorithm.critic.lr),
+    a value head on the trunk of the checkpoint at model_dir, on the policy's bundles."""
+    critic = _megatron_group("critic", cfg, critic_config(cfg), model_dir, workers.placement_group, workers.placement,
+                             workers.device, head="value")
+    _set_up(critic, workers.placement_group, workers.placement)
+    workers.critic = ModelWorkers(critic)
     return workers.critic
 
 
@@ -156,8 +147,8 @@ def model_worker_args(cfg: RootConfig, model_cfg, model_dir: str, head: str) -> 
                              collective_timeout_s=c.collective_timeout_s, head=head)
 
 
-def _set_up(group: WorkerGroup, pg, placement: Placement, model_dir: str | None = None) -> None:
+def _set_up(group: WorkerGroup, pg, placement: Placement) -> None:
     """A model's ranks join one process group (a port free now, on the first rank's node), build
-    the model and load its weights (model_dir's, if not the ones the processes were started with)."""
+    the model and load its weights."""
     master_addr, master_port = rendezvous_address(pg, placement.policy_bundles[0])
-    group.every_rank(Model.setup, master_addr, master_port, model_dir)
+    group.every_rank(Model.setup, master_addr, master_port)

@@ -78,17 +78,16 @@ class MegatronModelWorker:
         self.cfg, self.rank, self.head = cfg, rank, head
         self._setup_args = (model_dir, world_size, seed, collective_timeout_s)
 
-    def setup(self, master_addr: str, master_port: int, model_dir: str | None = None):
+    def setup(self, master_addr: str, master_port: int):
         """Join the process group (its rendezvous at master_addr:master_port), build the model and
-        load its weights: model_dir's, or those named at construction. Collective."""
+        load its weights. Collective."""
         from megatron.core import parallel_state as mpu
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         from rlkit.bridge import open_bridge
 
         cfg, rank, head = self.cfg, self.rank, self.head
-        started_dir, world_size, seed, collective_timeout_s = self._setup_args
-        model_dir = model_dir or started_dir
+        model_dir, world_size, seed, collective_timeout_s = self._setup_args
         if ON_GPU:
             torch.cuda.set_device(0)  # Ray gives each actor its GPU as device 0
         with self.startup.phase("process_group"):
