@@ -106,8 +106,9 @@ def _start_groups(cfg, model_dir, pg, placement, device, started, with_generatio
     if with_generation:
         generation_cls, generation_args = _generation_worker(cfg, model_dir, pg, placement, device)
         with clock.phase("generation_workers"):
-            generation = GenerationWorkers(WorkerGroup("generation", generation_cls, pg, placement.generation_bundles,
-                                                       placement.share, device, generation_args, c.call_timeout_s))
+            generation = GenerationWorkers(WorkerGroup.start("generation", generation_cls, pg,
+                                                             placement.generation_bundles, placement.share, device,
+                                                             generation_args, c.call_timeout_s))
             policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
             generation.sleep()  # also waits until every engine is up
         clock.add_workers("generation_workers", created, generation.workers.every_rank(Engine.startup_phases))
@@ -130,24 +131,31 @@ def _log_nodes(policy: WorkerGroup, generation: WorkerGroup | None) -> None:
 def start_critic(cfg: RootConfig, workers: RunWorkers, model_dir: str) -> ModelWorkers:
     """PPO's critic: the policy's layout and optimizer settings (learning rate algorithm.critic.lr),
     a value head on the trunk of the checkpoint at model_dir, on the policy's bundles."""
-    critic_cfg = replace(cfg.policy, optimizer=replace(cfg.policy.optimizer, lr=cfg.algorithm.critic.lr))
-    critic = _megatron_group("critic", cfg, critic_cfg, model_dir, workers.placement_group, workers.placement,
+    critic = _megatron_group("critic", cfg, critic_config(cfg), model_dir, workers.placement_group, workers.placement,
                              workers.device, head="value")
     _set_up(critic, workers.placement_group, workers.placement)
     workers.critic = ModelWorkers(critic)
     return workers.critic
 
 
+def critic_config(cfg: RootConfig):
+    """The critic's model settings: the policy's, with the learning rate algorithm.critic.lr."""
+    return replace(cfg.policy, optimizer=replace(cfg.policy.optimizer, lr=cfg.algorithm.critic.lr))
+
+
 def _megatron_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, placement, device: str,
                     head: str) -> WorkerGroup:
     """The model's worker processes, started and importing; _set_up builds them."""
+    return WorkerGroup.start(role, Model, pg, placement.policy_bundles, placement.share, device,
+                             model_worker_args(cfg, model_cfg, model_dir, head), cfg.cluster.call_timeout_s)
+
+
+def model_worker_args(cfg: RootConfig, model_cfg, model_dir: str, head: str) -> Callable[[int], dict]:
+    """Rank r's MegatronModelWorker arguments, for a model of model_cfg's layout (cfg.policy or the critic's)."""
     c = cfg.cluster
-    return WorkerGroup(
-        role, Model, pg, placement.policy_bundles, placement.share, device,
-        lambda rank: dict(cfg=model_cfg, model_dir=model_dir, rank=rank, world_size=model_cfg.num_workers,
-                          seed=cfg.run.seed, threads=c.threads_per_worker, collective_timeout_s=c.collective_timeout_s,
-                          head=head),
-        c.call_timeout_s)
+    return lambda rank: dict(cfg=model_cfg, model_dir=model_dir, rank=rank, world_size=model_cfg.num_workers,
+                             seed=cfg.run.seed, threads=c.threads_per_worker,
+                             collective_timeout_s=c.collective_timeout_s, head=head)
 
 
 def _set_up(group: WorkerGroup, pg, placement: Placement) -> None:

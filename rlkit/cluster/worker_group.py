@@ -29,18 +29,21 @@ _LIVE_GROUPS: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()  # to name a de
 DEATH_GRACE_S = 5.0
 
 
-@ray.remote(num_cpus=0)
-def _free_address() -> tuple[str, int]:
-    """A free TCP port on the address of the node of the worker's bundle, for a rendezvous there."""
+def free_address() -> tuple[str, int]:
+    """A free TCP port on the address of this process's Ray node, for a rendezvous there."""
     address = ray.util.get_node_ip_address()
     with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
         s.bind((address, 0))
         return address, s.getsockname()[1]
 
 
+_free_address_task = ray.remote(num_cpus=0)(free_address)
+
+
 def rendezvous_address(placement_group, bundle_index: int) -> tuple[str, int]:
+    """free_address on the node of a bundle of the placement group."""
     strategy = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=bundle_index)
-    return ray.get(_free_address.options(scheduling_strategy=strategy).remote())
+    return ray.get(_free_address_task.options(scheduling_strategy=strategy).remote())
 
 
 @ray.remote(num_cpus=0)
@@ -58,19 +61,24 @@ def bundle_gpu_ids(placement_group, bundle_indices: list[int]) -> list[str]:
 
 
 class WorkerGroup:
-    def __init__(self, role: str, actor_cls: type, placement_group, bundle_indices: list[int], share: float,
-                 device: str, make_args: Callable[[int], dict], timeout_s: float):
-        self.role, self.timeout_s = role, timeout_s
+    def __init__(self, role: str, actors: list, timeout_s: float):
+        """A group of started actors (rank i: actors[i]); see start."""
+        self.role, self.actors, self.timeout_s = role, list(actors), timeout_s
+        _LIVE_GROUPS.add(self)
+
+    @classmethod
+    def start(cls, role: str, actor_cls: type, placement_group, bundle_indices: list[int], share: float,
+              device: str, make_args: Callable[[int], dict], timeout_s: float) -> "WorkerGroup":
+        """Actor i of actor_cls(**make_args(i)) on bundle bundle_indices[i], with share of its resources."""
         remote_cls = ray.remote(actor_cls)
-        self.actors = [
+        return cls(role, [
             remote_cls.options(
                 num_cpus=share, num_gpus=share if device == "GPU" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group,
                                                                      placement_group_bundle_index=bundle),
             ).remote(**make_args(rank))
             for rank, bundle in enumerate(bundle_indices)
-        ]
-        _LIVE_GROUPS.add(self)
+        ], timeout_s)
 
     def __len__(self) -> int:
         return len(self.actors)

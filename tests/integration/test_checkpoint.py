@@ -21,11 +21,10 @@ from transformers import AutoModelForCausalLM
 
 from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.checkpoint import MANIFEST, CheckpointManager
-from rlkit.cluster.setup import start_workers
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.launch.config import load_config
-from rlkit.launch.run import train
+from rlkit.launch.run import export_hf, train
 
 pytestmark = pytest.mark.integration
 RUN = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3", "algorithm.prompts_per_step=8",
@@ -106,24 +105,21 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, 
     assert [p.name for p in sorted(checkpoints.iterdir())] == ["step_000004", "step_000006"]  # keep_last 2
 
 
-def test_dist_checkpoint_loads_into_another_tensor_parallel_size(ray_cluster, make_cfg, tiny_qwen2, tmp_path):
+def test_dist_checkpoint_loads_into_another_tensor_parallel_size(model_workers, make_cfg, tiny_qwen2, tmp_path):
     batch = Batch({"input_ids": torch.randint(0, 300, (8, 10), generator=torch.Generator().manual_seed(1))})
     saved = {}
     for name, layout in [("tp1", ["policy.num_workers=2"]),
                          ("tp2", ["policy.num_workers=2", "policy.tensor_parallel_size=2"])]:
         cfg, _ = make_cfg(*layout, "policy.micro_batch_size=4")
-        workers = start_workers(cfg, str(tiny_qwen2), with_generation=False)
-        try:
-            if name == "tp1":
-                mask = torch.ones(8, 10)
-                workers.policy.train(batch.with_fields(loss_mask=mask), batch_totals(mask), NextTokenNLL())
-                workers.policy.save_checkpoint(str(tmp_path), "dist")
-                workers.policy.finish_checkpoint(wait=True)
-            else:
-                workers.policy.load_checkpoint(str(tmp_path), "dist")
-            saved[name] = workers.policy.logprobs(batch)
-        finally:
-            workers.shutdown()
+        policy = model_workers.start(cfg, tiny_qwen2)
+        if name == "tp1":
+            mask = torch.ones(8, 10)
+            policy.train(batch.with_fields(loss_mask=mask), batch_totals(mask), NextTokenNLL())
+            policy.save_checkpoint(str(tmp_path), "dist")
+            policy.finish_checkpoint(wait=True)
+        else:
+            policy.load_checkpoint(str(tmp_path), "dist")
+        saved[name] = policy.logprobs(batch)
     assert (saved["tp1"] - saved["tp2"]).abs().max().item() < 1e-5
 
 
@@ -132,7 +128,8 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     """grpo_tiny_lora_cpu killed after step 3 and started again ends with exactly the metrics of the
     same run uninterrupted: its checkpoints hold the adapters and their optimizer state, and the base
     is the cached warm start they record. `rlkit convert` turns the last one into an HF PEFT
-    adapter that peft loads over that base, and with --merged into the merged model."""
+    adapter that peft loads over that base, and with --merged (export_hf here, on the session's
+    cluster: the command's own start-up is the one above) into the merged model."""
     from peft import PeftModel
 
     uninterrupted, killed = tmp_path_factory.mktemp("lora_uninterrupted"), tmp_path_factory.mktemp("lora_killed")
@@ -155,10 +152,11 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     # a checkpoint of every weight holds the base and Adam's two moments of it: three times base_bytes
     assert sum(path.stat().st_size for path in (last / "policy").rglob("*") if path.is_file()) < base_bytes / 2
     tokens = torch.tensor([[1, 2, 3, 4, 5]])
-    for name, flags in [("adapter", []), ("merged", ["--merged"])]:
-        convert = subprocess.run([sys.executable, "-m", "rlkit.cli", "convert", str(last), str(killed / name), *flags],
-                                 capture_output=True, text=True, timeout=600)
-        assert convert.returncode == 0, convert.stderr[-3000:]
+    convert = subprocess.run([sys.executable, "-m", "rlkit.cli", "convert", str(last), str(killed / "adapter")],
+                             capture_output=True, text=True, timeout=600)
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    assert f"HF PEFT adapter written to {killed / 'adapter'}" in convert.stdout
+    export_hf(last, killed / "merged", merged=True)
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), killed / "adapter").eval()
         converted = {"adapter": peft_model(tokens).logits,
@@ -168,7 +166,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     assert (converted["adapter"] - converted["base"]).abs().max().item() > 1e-3  # the adapters trained
 
 
-def test_distributed_optimizer_resumes_exactly(ray_cluster, make_cfg, tiny_qwen2, tmp_path):
+def test_distributed_optimizer_resumes_exactly(model_workers, make_cfg, tiny_qwen2, tmp_path):
     """The GPU layout's optimizer (sharded over data-parallel ranks, no Apex/TransformerEngine)
     round-trips through a dist checkpoint: the step after loading equals the step never stopped.
     The checkpoint is written in the background while that next step changes every weight and
@@ -179,33 +177,28 @@ def test_distributed_optimizer_resumes_exactly(ray_cluster, make_cfg, tiny_qwen2
     cfg, _ = make_cfg("policy.num_workers=2", "policy.use_distributed_optimizer=true", "policy.micro_batch_size=4")
     after = {}
     for name in ["continued", "resumed"]:
-        workers = start_workers(cfg, str(tiny_qwen2), with_generation=False)
-        try:
-            if name == "continued":
-                workers.policy.train(batch, batch_totals(mask), NextTokenNLL())
-                workers.policy.save_checkpoint(str(tmp_path), "dist")
-            else:
-                workers.policy.load_checkpoint(str(tmp_path), "dist")
-            workers.policy.train(batch, batch_totals(mask), NextTokenNLL())
-            after[name] = workers.policy.logprobs(batch)
-            if name == "continued":
-                assert workers.policy.finish_checkpoint(wait=True)  # the digests of the files written
-        finally:
-            workers.shutdown()
+        policy = model_workers.start(cfg, tiny_qwen2)
+        if name == "continued":
+            policy.train(batch, batch_totals(mask), NextTokenNLL())
+            policy.save_checkpoint(str(tmp_path), "dist")
+        else:
+            policy.load_checkpoint(str(tmp_path), "dist")
+        policy.train(batch, batch_totals(mask), NextTokenNLL())
+        after[name] = policy.logprobs(batch)
+        if name == "continued":
+            assert policy.finish_checkpoint(wait=True)  # the digests of the files written
     assert torch.equal(after["continued"], after["resumed"])
 
 
 @pytest.mark.parametrize("save_format", ["dist", "hf"])
 def test_convert_exports_hf_weights(ray_cluster, make_cfg, tmp_path, save_format):
+    """`rlkit convert`'s export (the command itself runs in the LoRA test above) from either format."""
     cfg, resolved = make_cfg("algorithm.num_steps=1", "algorithm.prompts_per_step=8",
                              "policy.train_global_batch_size=64", f"checkpoint.save_format={save_format}",
                              f"run.output_dir={tmp_path}")
     train(cfg, resolved)
     checkpoint = tmp_path / "grpo_tiny_cpu" / "checkpoints" / "step_000001"
-    out = tmp_path / "exported"
-    convert = subprocess.run([sys.executable, "-m", "rlkit.cli", "convert", str(checkpoint), str(out)],
-                             capture_output=True, text=True, timeout=600)
-    assert convert.returncode == 0, convert.stderr[-3000:]
+    out = export_hf(checkpoint, tmp_path / "exported")
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
 
@@ -220,10 +213,10 @@ def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_
     def kill_a_policy_worker():
         while steps_logged(run_dir) < 2:
             time.sleep(0.05)
-        # this test's own cluster: its live policy actors, by process id
+        # the run's live policy actors (not the session's pooled workers, which have a name), by process id
         actors = ray._private.state.actors().values()
         victim = next(a["Pid"] for a in actors if a["ActorClassName"] == "MegatronModelWorker"
-                      and a["State"] == "ALIVE")
+                      and a["State"] == "ALIVE" and not a["Name"])
         os.kill(victim, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_a_policy_worker, daemon=True)

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from rlkit.algorithms.objectives import NextTokenNLL
-from rlkit.cluster.setup import start_workers
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.data.packing import pack_sequences
 
@@ -39,21 +38,17 @@ def _packed_rows() -> Batch:
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, make_cfg, tiny_qwen2) -> dict[str, dict]:
+def runs(model_workers, make_cfg, tiny_qwen2) -> dict[str, dict]:
     """Per layout: logprobs before, the step's metrics, the weights and logprobs after."""
     rows, packed = _rows(), _packed_rows()
     results = {}
     for name, layout in LAYOUTS.items():
         cfg, _ = make_cfg(*layout, "policy.micro_batch_size=4", "policy.train_global_batch_size=8")
-        workers = start_workers(cfg, str(tiny_qwen2), with_generation=False)
-        try:
-            policy = workers.policy
-            results[name] = {"logprobs": policy.logprobs(rows), "packed": policy.logprobs(packed),
-                             "step": policy.train(rows, batch_totals(rows["loss_mask"]), NextTokenNLL()),
-                             "weights": policy.export_hf_weights(),
-                             "logprobs after": policy.logprobs(rows)}
-        finally:
-            workers.shutdown()
+        policy = model_workers.start(cfg, tiny_qwen2)
+        results[name] = {"logprobs": policy.logprobs(rows), "packed": policy.logprobs(packed),
+                         "step": policy.train(rows, batch_totals(rows["loss_mask"]), NextTokenNLL()),
+                         "weights": policy.export_hf_weights(),
+                         "logprobs after": policy.logprobs(rows)}
     return results
 
 

@@ -104,23 +104,33 @@ CHAT_TURN = re.compile(r"(<\|im_end\|>)?\n<\|im_start\|>user\n (higher|lower|a n
                        r"<\|im_end\|>\n<\|im_start\|>assistant\n")
 
 
+MULTI_TURN = ["env=guess_sum", "env_runner.max_turns=3", "generation.num_workers=1"]
+
+
+@pytest.fixture(scope="module")
+def multi_turn_workers(ray_cluster, make_cfg, tiny_qwen2):
+    """The workers of both chat_template cases: the template is the prompt renderer's, not theirs."""
+    cfg, _ = make_cfg(*MULTI_TURN)
+    workers = start_workers(cfg, str(tiny_qwen2))
+    yield workers
+    workers.shutdown()
+
+
 @pytest.mark.parametrize("chat_template", [False, True])
-def test_multi_turn_rollout_masks_environment_tokens(ray_cluster, make_cfg, tiny_qwen2, chat_template):
+def test_multi_turn_rollout_masks_environment_tokens(multi_turn_workers, make_cfg, tiny_qwen2, chat_template):
     """Each environment turn is appended after the model's tokens as they were generated, masked
     out of the loss, and rendered raw or with the chat template (end of the model's turn, the
     user turn, the next generation prompt)."""
-    cfg, _ = make_cfg("env=guess_sum", "env_runner.max_turns=3", "generation.num_workers=1",
-                      f"data.chat_template={chat_template}")
+    cfg, _ = make_cfg(*MULTI_TURN, f"data.chat_template={chat_template}")
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
     prompts = load_prompts(cfg, tokenizer).train[:8]
-    workers = start_workers(cfg, str(tiny_qwen2))
     envs = EnvironmentPool(cfg.env, cfg.env_runner)
     try:
         rollout = run_episodes(prompts, PromptRenderer.of(tokenizer, cfg.data, cfg.env_runner.observation_format),
-                               workers.generation, envs, SamplingParams(4, 1.0, 1.0, 0, seed=0), cfg.env_runner)
+                               multi_turn_workers.generation, envs, SamplingParams(4, 1.0, 1.0, 0, seed=0),
+                               cfg.env_runner)
     finally:
         envs.shutdown()
-        workers.shutdown()
     batch = rollout.batch
     assert rollout.metrics["train/turns"] > 1  # the random model is wrong, so episodes go on
     turns = 0

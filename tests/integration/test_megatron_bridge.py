@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 from test_policy_parity import TOLERANCE, _hf_logprobs
 
 from rlkit.bridge import CHECKED_MODEL_TYPES
-from rlkit.cluster.setup import start_workers
 from rlkit.data.batch import Batch
 from rlkit.launch.run import train
 from rlkit.models.resolve import resolve_model_dir
@@ -55,16 +54,14 @@ def _rope_base_checkpoint(make_cfg, directory):
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def bridged(request, ray_cluster, make_cfg, tmp_path_factory):
+def bridged(request, model_workers, make_cfg, tmp_path_factory):
     """(model directory, policy workers) of one layout."""
     model, overrides = LAYOUTS[request.param]
     if model == "rope-base":
         model = str(_rope_base_checkpoint(make_cfg, tmp_path_factory.mktemp("rope") / "qwen3"))
     cfg, _ = make_cfg(BRIDGE, f"policy.model_path={model}", *overrides, "policy.micro_batch_size=4")
     model_dir = resolve_model_dir(cfg)
-    workers = start_workers(cfg, str(model_dir), with_generation=False)
-    yield model_dir, workers.policy
-    workers.shutdown()
+    return model_dir, model_workers.start(cfg, model_dir)
 
 
 def test_logprobs_match_hf(bridged):

@@ -11,7 +11,6 @@ from test_policy_parity import TOLERANCE, _hf_logprobs
 from transformers import AutoModelForCausalLM
 
 from rlkit.algorithms.objectives import NextTokenNLL
-from rlkit.cluster.setup import start_workers
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.models.resolve import resolve_model_dir
@@ -39,10 +38,8 @@ def moe_dir(moe_cfg):
 
 
 @pytest.fixture(scope="module")
-def moe_policy(ray_cluster, moe_cfg, moe_dir):
-    workers = start_workers(moe_cfg, str(moe_dir), with_generation=False)
-    yield moe_cfg.policy, workers.policy
-    workers.shutdown()
+def moe_policy(model_workers, moe_cfg, moe_dir):
+    return moe_cfg.policy, model_workers.start(moe_cfg, moe_dir)
 
 
 @pytest.fixture(scope="module")

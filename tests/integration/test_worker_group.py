@@ -42,8 +42,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def paired_group(ray_cluster):
     pg = placement_group([{"CPU": 0.5}], strategy="PACK")
     pg.wait(60)
-    group = WorkerGroup("policy", PairedWorker, pg, [0, 0], share=0.1, device="CPU",
-                        make_args=lambda rank: {"rank": rank}, timeout_s=60)
+    group = WorkerGroup.start("policy", PairedWorker, pg, [0, 0], share=0.1, device="CPU",
+                              make_args=lambda rank: {"rank": rank}, timeout_s=60)
     yield group
     group.kill()
     remove_placement_group(pg)

@@ -628,6 +628,17 @@ class MegatronModelWorker:
             write_hf_peft_adapter(out_dir, adapters, self.cfg.peft, self.base_dir)
         dist.barrier()
 
+    def reset(self, args: dict):
+        """Leave the process group and drop the model, then take new constructor arguments (another
+        model, layout or rank) for the next setup(). The process and its imports stay: the tests
+        reuse started workers this way, where a run starts its own."""
+        if dist.is_initialized():
+            assert not self.background_save.pending, "a checkpoint is still being written (finish_checkpoint)"
+            self.mpu.destroy_model_parallel()
+            dist.destroy_process_group()
+        self.__dict__.clear()
+        self.__init__(**args)
+
     def shutdown(self):
         if dist.is_initialized():
             dist.destroy_process_group()
