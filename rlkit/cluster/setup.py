@@ -45,7 +45,8 @@ class RunWorkers:
 
 def engine_gpus(cfg: RootConfig) -> int:
     """GPUs per generation worker: a vLLM engine's tensor-parallel size; 1 otherwise."""
-    return cfg.generation.vllm.tensor_parallel_size if cfg.generation.backend == "vllm" else 1
+    g = cfg.generation  # None for algorithms without rollouts (SFT, DPO)
+    return g.vllm.tensor_parallel_size if g is not None and g.backend == "vllm" else 1
 
 
 def _generation_worker(cfg: RootConfig, model_dir: str, pg, placement: Placement,
