@@ -175,10 +175,10 @@ def test_the_background_write_is_reported_with_its_rate(tmp_path, caplog):
     ranks = WrittenFiles({"a": "1"}, 3 * 10**9, 2.0, 1.0) | WrittenFiles({"b": "2"}, 10**9, 4.0, 0.5)
     assert ranks.digests == {"a": "1", "b": "2"}
     assert ranks.metrics() == {"timing/checkpoint_write": 4.0, "timing/checkpoint_digest": 1.0,
-                               "checkpoint/written_gb": 4.0, "checkpoint/write_gbytes_per_s": 1.0}
-    assert WrittenFiles({}).metrics()["checkpoint/write_gbytes_per_s"] == 0.0  # nothing written in the background
+                               "timing/checkpoint_written_gb": 4.0, "timing/checkpoint_write_gbytes_per_s": 1.0}
+    assert WrittenFiles({}).metrics()["timing/checkpoint_write_gbytes_per_s"] == 0.0  # nothing written in the background
     checkpoints = manager(tmp_path)
     with caplog.at_level(logging.INFO, logger="rlkit"):
         save(checkpoints, 1)
-    assert checkpoints.last_write.metrics()["checkpoint/write_gbytes_per_s"] == 4096 / 0.5 / 1e9
+    assert checkpoints.last_write.metrics()["timing/checkpoint_write_gbytes_per_s"] == 4096 / 0.5 / 1e9
     assert "written in the background in 0.50 s (0.00 GB at 0.00 GB/s), digests 0.25 s" in caplog.text
