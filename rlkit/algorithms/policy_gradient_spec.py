@@ -4,7 +4,7 @@ from a per-sample advantage function. Loading a config imports these; the contro
 a step is rlkit/algorithms/policy_gradient.py, which re-exports them."""
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from omegaconf import MISSING
 
@@ -15,8 +15,6 @@ from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig
 
 if TYPE_CHECKING:
     import torch
-
-    from rlkit.algorithms.policy_gradient import PolicyGradientTrainer
 
 
 @dataclass
@@ -121,11 +119,17 @@ def max_response_tokens(cfg: RootConfig) -> int:
     return min(cfg.generation.max_new_tokens * cfg.env_runner.max_turns, cfg.env_runner.max_total_tokens)
 
 
+class EstimatingTrainer(Protocol):
+    """What an estimator reads of the trainer (policy_gradient.PolicyGradientTrainer is one)."""
+    cfg: RootConfig
+    policy: object  # ModelWorkers: extend_held
+
+
 def per_sample(advantages):
     """An estimator from a pure function (algorithm config, rewards [B], group ids [B]) ->
     advantages [B], computed on the controller (rewards are there) and sent to the held shards.
     Samples with one group id are one prompt's (Episodes.group_ids): groups may differ in size."""
-    def estimate(trainer: "PolicyGradientTrainer", rewards: "torch.Tensor", group_ids: "torch.Tensor") -> dict:
+    def estimate(trainer: EstimatingTrainer, rewards: "torch.Tensor", group_ids: "torch.Tensor") -> dict:
         from rlkit.data.batch import Batch  # torch: when a run estimates, not when its config loads
 
         trainer.policy.extend_held(Batch({"advantages": advantages(trainer.cfg.algorithm, rewards, group_ids)}))
