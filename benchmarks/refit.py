@@ -5,6 +5,7 @@ next to the hardware limits measured in the same run.
 
 cuda_ipc: policy and vLLM colocated on GPU 0, ratio against device copy bandwidth.
 nccl:     policy on GPU 0, vLLM on GPU 1, ratio against NCCL broadcast bandwidth.
+TRANSPORTS names the layouts of several GPUs (two engines, an engine of two GPUs).
 A refit is the whole thing: export from Megatron, packing, transport, loading into vLLM.
 Each bucket size (--bucket-mb) is measured on the same workers after one refit that learns the
 plan through vLLM's own loader (reported as first_refit_s).
@@ -28,7 +29,15 @@ TRANSPORTS = {"cuda_ipc": ["cluster.placement=colocated", "refit=cuda_ipc"],
               "cuda_ipc-two-engines": ["cluster.placement=colocated", "refit=cuda_ipc", "policy.num_workers=2",
                                        "generation.num_workers=2"],
               "cuda_ipc-tp2-engine": ["cluster.placement=colocated", "refit=cuda_ipc", "policy.num_workers=2",
-                                      "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"]}
+                                      "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"],
+              # disaggregated: a TP=2 engine on GPUs 1-2 fed by the policy on GPU 0 (three GPUs); two engines
+              # (GPUs 2, 3) fed by two policy ranks (GPUs 0, 1), through one communicator or one per engine
+              "nccl-tp2-engine": ["cluster.placement=disaggregated", "refit=nccl",
+                                  "generation.vllm.tensor_parallel_size=2"],
+              "nccl-two-engines": ["cluster.placement=disaggregated", "refit=nccl", "policy.num_workers=2",
+                                   "generation.num_workers=2"],
+              "nccl-two-engines-per-engine": ["cluster.placement=disaggregated", "refit=nccl", "policy.num_workers=2",
+                                              "generation.num_workers=2", "refit.broadcast_groups=per_engine"]}
 
 
 def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int]) -> list[dict]:
@@ -106,7 +115,7 @@ def main():
     for size in args.sizes.split(","):
         model_dir = qwen3_checkpoint(size, Path(args.checkpoints))
         for transport in args.transports.split(","):
-            if transport == "nccl" and limits["broadcast_gbytes_per_s"] is None:
+            if transport.startswith("nccl") and limits["broadcast_gbytes_per_s"] is None:
                 continue
             bucket_mbs = [int(mb) for mb in args.bucket_mb.split(",")]
             for row in measure(model_dir, transport, args.rounds, bucket_mbs):
@@ -114,7 +123,7 @@ def main():
                 rows.append({"model": f"qwen3-{size}", **row, "limit_gbytes_per_s": limit,
                              "ratio": row["gbytes_per_s"] / limit})
                 print(json.dumps(rows[-1]), flush=True)
-            Path(args.out).write_text(json.dumps({"limits": limits, "rows": rows}, indent=1))
+                Path(args.out).write_text(json.dumps({"limits": limits, "rows": rows}, indent=1))  # kept if cut short
     print("\n| model | transport | bucket MB | GB | buckets | refit s | export / pack (host) s | GB/s | limit GB/s "
           "| ratio |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -8,6 +8,7 @@
 #     (e2e <s> smollm2 --trl: TRL's GRPOTrainer on the same workload after rlkit; trl in the wheel list: EXTRA_WHEELS)
 #   bash scripts/gpu_session.sh startup-run <s> <label> [overrides]    SmolLM2 recipe, 9 steps: start-up phases, checkpoints every 3
 #   bash scripts/gpu_session.sh e2e-verl [seconds] [e2e_verl.py args]    verl 0.9.1 on SmolLM2 from /tmp/site-verl (scripts/verl_stack.sh)
+#   bash scripts/gpu_session.sh refit-layouts <s> <size> <layout,...>    refit benchmark on layouts of several GPUs
 #   bash scripts/gpu_session.sh async <s> <k,...> [async_grpo.py args]    async GRPO: SmolLM2, disaggregated on 2 GPUs, per
 #     max_staleness (one per call: async 590 0 --timeout 570, then async 590 1 --timeout 570; results merge in /tmp/async_grpo.json)
 set -uo pipefail
@@ -68,5 +69,8 @@ case "$1" in
   refit-bench) refit 1.5b,7b 570 ;;
   refit-bench-512) refit 1.5b,7b 400 512 ;;
   bench-7b) refit 7b 570 ;;
+  refit-layouts) timeout "$2" python3 benchmarks/refit.py --sizes "$3" --transports "$4" --bucket-mb 512 \
+                   --out "$OUT/refit_$3_layouts.json" > "$OUT/refit_$3_layouts.log" 2>&1
+                 tail -14 "$OUT/refit_$3_layouts.log" ;;  # refit-layouts <s> <size> <layout,...>: benchmarks/refit.py TRANSPORTS
   all) tests 330; refit 1.5b 240 ;;
 esac

@@ -8,8 +8,9 @@ How bytes travel is the transport's business; every transport moves the same Ref
             bucket's reference to every generation worker (HF workers)
   cuda_ipc  colocated: each policy rank packs into two slots on its GPU that the vLLM process on
             that GPU maps through CUDA IPC handles (rlkit/refit/transports/cuda_ipc.py)
-  nccl      disaggregated: policy rank 0 broadcasts each bucket to every vLLM process on a
-            communicator of their own (rlkit/refit/transports/nccl.py)
+  nccl      disaggregated: a policy rank broadcasts each bucket to the vLLM processes of its
+            communicator: policy rank 0 to all of them, or (refit.broadcast_groups=per_engine)
+            policy rank i to engine i, every engine at once (rlkit/refit/transports/nccl.py)
 Every vLLM process receives whole HF tensors; an engine of several GPUs (tensor parallelism)
 has one process per GPU, and vLLM's loader takes each one's shard.
 The GPU transports start, once, a standing receiver in each vLLM worker process
@@ -34,6 +35,7 @@ from rlkit.cluster.worker_group import rendezvous_address
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.refit.plan import RefitPlan
 from rlkit.refit.receiver import ANY_GPU
+from rlkit.refit.transports.nccl import BroadcastGroup, broadcast_groups
 from rlkit.workers.generation.base import GenerationWorker
 from rlkit.workers.generation.hf import HFGenerationWorker
 from rlkit.workers.generation.vllm import VLLMGenerationWorker
@@ -55,7 +57,9 @@ class RefitDriver:
                                     keep_fp32=tuple(cfg.refit.keep_fp32))
         channel_host = cfg.refit.channel_host
         if cfg.refit.transport == "nccl":
-            self.transfer = NcclTransfer(policy, generation, placement_group, channel_host, engine_gpus(cfg))
+            self.transfer = NcclTransfer(policy, generation, placement_group, channel_host,
+                                         broadcast_groups(cfg.refit.broadcast_groups, len(policy.workers),
+                                                          len(generation.workers), engine_gpus(cfg)))
         else:
             self.transfer = {"cpu": ObjectStoreTransfer, "cuda_ipc": CudaIpcTransfer}[cfg.refit.transport](
                 policy, generation, placement_group, channel_host)
@@ -165,24 +169,32 @@ class CudaIpcTransfer(_ChannelTransfer):
 
 
 class NcclTransfer(_ChannelTransfer):
-    """A communicator of policy rank 0 (rank 0 in it) and every process of every engine, made
-    once; rank 0's channel reaches every one's receiver."""
+    """One communicator per broadcast group (made once): its policy rank's channel reaches the
+    receivers of its engines' processes. The groups' refits run at once, each sender packing its
+    own copy of every bucket."""
 
     def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group, channel_host: str,
-                 engine_gpus: int):
+                 groups: list[BroadcastGroup]):
         self.policy, self.generation = policy.workers, generation.workers
         if channel_host == "loopback":
-            _check_one_node(self.policy, self.generation)
+            _check_one_node(self.policy, self.generation, groups)
         timeout_s = self.policy.timeout_s / 2
-        host, port = rendezvous_address(placement_group, 0)
-        receivers = len(self.generation) * engine_gpus
-        world = 1 + receivers
-        joins = self.policy.submit(Policy.join_refit_communicator, host, port, world, timeout_s, ranks=[0])
-        engines = self.generation.submit(VLLMGenerationWorker.join_refit_communicator, host, port, world, timeout_s)
-        self.policy.wait(joins, "join_refit_communicator", ranks=[0])
-        self.generation.wait(engines, "join_refit_communicator")
-        address, = self.policy.only([0], Policy.open_refit_channel, "nccl", receivers, timeout_s, channel_host)
-        self._start_receivers("nccl", {ANY_GPU: address}, timeout_s)
+        # policy rank r is on bundle r (policy bundles come first)
+        rendezvous = [rendezvous_address(placement_group, group.sender) for group in groups]
+        group_of = {engine: (group, address) for group, address in zip(groups, rendezvous) for engine in group.engines}
+        joins = [ref for group, (host, port) in zip(groups, rendezvous) for ref in self.policy.submit(
+            Policy.join_refit_communicator, host, port, group.world_size, timeout_s, ranks=[group.sender])]
+        engines = [ref for engine, (group, (host, port)) in sorted(group_of.items()) for ref in self.generation.submit(
+            VLLMGenerationWorker.join_refit_communicator, host, port, group.world_size, group.first_rank(engine),
+            timeout_s, ranks=[engine])]
+        self.policy.wait(joins, "join_refit_communicator", ranks=[g.sender for g in groups])
+        self.generation.wait(engines, "join_refit_communicator", ranks=sorted(group_of))
+        addresses = {group.sender: self.policy.only([group.sender], Policy.open_refit_channel, "nccl",
+                                                    len(group.engines) * group.engine_gpus, timeout_s,
+                                                    channel_host)[0] for group in groups}
+        self.generation.each(VLLMGenerationWorker.start_refit_receiver,
+                             [("nccl", {ANY_GPU: addresses[group_of[engine][0].sender]}, timeout_s)
+                              for engine in range(len(self.generation))])
 
 
 class AdapterTransfer:
@@ -202,10 +214,11 @@ class AdapterTransfer:
         return _throughput(sum(t.numel() * t.element_size() for t in adapters.values()), time.perf_counter() - start)
 
 
-def _check_one_node(policy, generation) -> None:
+def _check_one_node(policy, generation, groups: list[BroadcastGroup]) -> None:
     """A loopback channel reaches only its own node: say so before the receivers time out."""
-    sender, = policy.node_ips()[:1]
-    elsewhere = [f"generation worker {i} on {ip}" for i, ip in enumerate(generation.node_ips()) if ip != sender]
+    policy_ips, engine_ips = policy.node_ips(), generation.node_ips()
+    elsewhere = [f"generation worker {e} is on {engine_ips[e]}, policy rank {g.sender} (its sender) on "
+                 f"{policy_ips[g.sender]}" for g in groups for e in g.engines if engine_ips[e] != policy_ips[g.sender]]
     if elsewhere:
-        raise ConfigError(f"refit.channel_host=loopback: policy rank 0 is on {sender} but {', '.join(elsewhere)}; "
+        raise ConfigError(f"refit.channel_host=loopback reaches one node only, but {'; '.join(elsewhere)}; "
                           f"set refit.channel_host=node_ip to refit across nodes")

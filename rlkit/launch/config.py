@@ -28,7 +28,7 @@ from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports
 from rlkit.bridge.adapters import check_peft
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.config.choices import OFFLOAD_MODES, PEFT_MODES, TRANSPORTS
+from rlkit.config.choices import BROADCAST_GROUPS, OFFLOAD_MODES, PEFT_MODES, TRANSPORTS
 from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig
 from rlkit.envs.base import check_environment_config
 from rlkit.launch.preflight import check_config
@@ -392,6 +392,7 @@ def _validate_rollout_choices(cfg: RootConfig) -> None:
     _choice("refit.transport", cfg.refit.transport, TRANSPORTS)
     _choice("refit.channel_host", cfg.refit.channel_host, ("loopback", "node_ip"))
     _choice("refit.peft", cfg.refit.peft, PEFT_MODES)
+    _choice("refit.broadcast_groups", cfg.refit.broadcast_groups, BROADCAST_GROUPS)
     r = cfg.env_runner  # before the algorithm's checks, which compute the response budget from these
     _positive(("env_runner.num_workers", r.num_workers), ("env_runner.max_turns", r.max_turns),
               ("env_runner.max_total_tokens", r.max_total_tokens))
@@ -429,6 +430,11 @@ def _validate_rollout_transport(cfg: RootConfig) -> None:
     if cfg.refit.transport == "nccl" and cfg.cluster.placement != "disaggregated":
         raise ConfigError("refit.transport: nccl needs cluster.placement=disaggregated (policy and vLLM on "
                           "different GPUs); use refit=cuda_ipc when colocated")
+    if cfg.refit.broadcast_groups == "per_engine" and (cfg.refit.transport != "nccl"
+                                                         or g.num_workers > p.num_workers):
+        raise ConfigError("refit.broadcast_groups: per_engine needs refit=nccl and a policy rank for every engine, "
+                          f"generation.num_workers <= policy.num_workers (got: refit.transport={cfg.refit.transport}, "
+                          f"{g.num_workers} engines, {p.num_workers} policy ranks); use broadcast_groups=one")
     if cfg.refit.bucket_mb <= 0:
         raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb}); e.g. 512 on GPUs")
 

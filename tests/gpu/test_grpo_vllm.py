@@ -1,5 +1,6 @@
 """GRPO end to end with vLLM generation, dense and MoE: colocated on one GPU, disaggregated on two;
-on two GPUs also two engines fed by two policy ranks, and one engine spread over both GPUs."""
+on two GPUs also two engines fed by two policy ranks, and one engine spread over both GPUs; on
+three and four, the same disaggregated over nccl."""
 
 import math
 
@@ -16,6 +17,8 @@ MOE = ["policy.model_path=tiny://qwen3_moe"]
 # colocated on two GPUs: each policy rank feeds the engine process on its GPU
 TWO_ENGINES = ["policy.num_workers=2", "generation.num_workers=2"]
 TP2_ENGINE = ["policy.num_workers=2", "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"]
+# disaggregated: policy rank i feeds engine i over a communicator of their own
+TWO_ENGINES_PER_ENGINE = TWO_ENGINES + ["refit.broadcast_groups=per_engine"]
 # the MoE policy's experts split over two ranks (EP=2), each exporting its experts for the engine beside it
 MOE_EP2 = MOE + ["policy.num_workers=2", "policy.expert_parallel_size=2", "generation.num_workers=2"]
 
@@ -28,7 +31,11 @@ MOE_EP2 = MOE + ["policy.num_workers=2", "policy.expert_parallel_size=2", "gener
                                                  marks=pytest.mark.gpus(2)),
                                     pytest.param(COLOCATED + TP2_ENGINE, id="tp2-engine-cuda_ipc",
                                                  marks=pytest.mark.gpus(2)),
-                                    pytest.param(COLOCATED + MOE_EP2, id="moe-ep2-cuda_ipc", marks=pytest.mark.gpus(2))])
+                                    pytest.param(COLOCATED + MOE_EP2, id="moe-ep2-cuda_ipc", marks=pytest.mark.gpus(2)),
+                                    pytest.param(DISAGGREGATED + ["generation.vllm.tensor_parallel_size=2"],
+                                                 id="tp2-engine-nccl", marks=pytest.mark.gpus(3)),
+                                    pytest.param(DISAGGREGATED + TWO_ENGINES_PER_ENGINE, id="two-engines-nccl-per-engine",
+                                                 marks=pytest.mark.gpus(4))])
 def test_grpo_with_vllm(ray_cluster, make_cfg, layout, request):
     cfg, resolved = make_cfg(*layout, "algorithm.num_steps=3", "algorithm.val_every=3",
                              "algorithm.warm_start.sft_steps=20", f"run.name=gpu_{request.node.callspec.id}")

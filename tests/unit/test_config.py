@@ -103,6 +103,13 @@ ERRORS = [
                          "generation.vllm.tensor_parallel_size=2"], "refit.transport",
      ["generation.num_workers x generation.vllm.tensor_parallel_size == policy.num_workers", "2 x 2 vs 2"],
      ["generation=vllm", "refit=cuda_ipc", "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"]),
+    # per_engine: policy rank i feeds engine i, so three engines need three policy ranks
+    ("broadcast-groups-ranks", ["generation=vllm", "refit=nccl", "cluster.placement=disaggregated",
+                                "generation.num_workers=3", "refit.broadcast_groups=per_engine"], "refit.broadcast_groups",
+     ["per_engine needs refit=nccl and a policy rank for every engine", "3 engines, 2 policy ranks"],
+     ["generation=vllm", "refit=nccl", "cluster.placement=disaggregated", "generation.num_workers=3"]),
+    ("broadcast-groups-choice", ["refit.broadcast_groups=ring"], "refit.broadcast_groups",
+     ["must be one of", "'per_engine'", "(got: 'ring')"], ["refit.broadcast_groups=one"]),
     ("transport", ["refit.transport=rdma"], "refit.transport",
      ["must be one of", "'cpu'", "(got: 'rdma')"], ["refit.transport=cpu"]),
     ("algorithm-name", ["algorithm.name=a2c"], "algorithm.name",

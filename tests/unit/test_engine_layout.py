@@ -4,6 +4,7 @@ import pytest
 
 from rlkit.cluster.placement import plan_placement
 from rlkit.refit.receiver import ANY_GPU, sender_for
+from rlkit.refit.transports.nccl import BroadcastGroup, broadcast_groups
 
 
 def test_colocated_engines_span_consecutive_bundles_each_shared_with_a_policy_rank():
@@ -46,3 +47,20 @@ def test_a_gpu_without_a_policy_rank_is_named():
 
 def test_one_sender_for_every_gpu():
     assert sender_for({ANY_GPU: ("10.0.0.1", 7)}, "GPU-z", "engine 3") == ("10.0.0.1", 7)
+
+
+def test_one_broadcast_group_numbers_every_engine_process_after_policy_rank_0():
+    group, = broadcast_groups("one", policy_ranks=2, engines=2, engine_gpus=2)
+    assert group == BroadcastGroup(sender=0, engines=(0, 1), engine_gpus=2)
+    assert group.world_size == 5 and [group.first_rank(e) for e in (0, 1)] == [1, 3]
+
+
+def test_per_engine_groups_pair_engine_i_with_policy_rank_i():
+    groups = broadcast_groups("per_engine", policy_ranks=3, engines=2, engine_gpus=2)
+    assert [(g.sender, g.engines, g.world_size, g.first_rank(g.engines[0])) for g in groups] == [(0, (0,), 3, 1),
+                                                                                                (1, (1,), 3, 1)]
+
+
+def test_per_engine_groups_need_a_policy_rank_per_engine():
+    with pytest.raises(ValueError, match=r"need a policy rank per engine \(3 > 2\)"):
+        broadcast_groups("per_engine", policy_ranks=2, engines=3, engine_gpus=1)

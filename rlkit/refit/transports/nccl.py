@@ -1,6 +1,7 @@
-"""The nccl transport's two halves and their communicator: policy rank 0 (rank 0 here) and every
-generation worker, outside both sides' own process groups. Built on vLLM's stateless process
-group and PyNccl so it needs no shared torch.distributed world.
+"""The nccl transport's two halves and their communicators. A communicator joins one policy rank
+(rank 0 in it) and the vLLM processes it feeds, outside both sides' own process groups
+(broadcast_groups says who feeds whom). Built on vLLM's stateless process group and PyNccl so it
+needs no shared torch.distributed world.
 
 Both sides keep two bucket buffers across refits (regrown when a plan needs larger ones) and
 alternate them: the sender packs bucket k+1 while bucket k is on the wire, each receiver loads
@@ -8,6 +9,7 @@ bucket k while k+1 arrives. Hosts wait on events with a deadline, so a peer that
 broadcast is an error, not a hang. A communicator that failed mid-refit cannot tell which
 broadcast its peers are in, so it refuses further refits."""
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
@@ -15,6 +17,35 @@ import torch
 
 from rlkit.refit.channel import READY, Channel, RefitStart, wait_event
 from rlkit.refit.plan import PackedBucket, RefitPlan
+
+
+@dataclass(frozen=True)
+class BroadcastGroup:
+    """One communicator: policy rank `sender` (rank 0 in it), then every process of `engines`, in
+    engine order, each engine's in the order of its GPUs."""
+    sender: int
+    engines: tuple[int, ...]
+    engine_gpus: int
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.engines) * self.engine_gpus
+
+    def first_rank(self, engine: int) -> int:
+        """The rank of the engine's first process (its others follow)."""
+        return 1 + self.engines.index(engine) * self.engine_gpus
+
+
+def broadcast_groups(grouping: str, policy_ranks: int, engines: int, engine_gpus: int) -> list[BroadcastGroup]:
+    """refit.broadcast_groups: one (policy rank 0 broadcasts to every engine) or per_engine (engine
+    i has a communicator of its own with policy rank i, so the engines are fed in parallel; every
+    policy rank holds or gathers the whole export, so any can send). per_engine needs an engine per
+    policy rank at most (checked with the config)."""
+    if grouping == "one":
+        return [BroadcastGroup(0, tuple(range(engines)), engine_gpus)]
+    if engines > policy_ranks:
+        raise ValueError(f"per_engine broadcast groups need a policy rank per engine ({engines} > {policy_ranks})")
+    return [BroadcastGroup(i, (i,), engine_gpus) for i in range(engines)]
 
 
 class RefitCommunicator:

@@ -58,7 +58,6 @@ class VLLMGenerationWorker(GenerationWorker):
         # wrapper on the LM head would add a kernel on every step's logits
         lora = {} if adapter is None else dict(enable_lora=True, max_lora_rank=_max_lora_rank(adapter.rank),
                                                max_loras=1, lora_target_modules=list(adapter.target_modules))
-        self.gpus = v.tensor_parallel_size
         with self.startup.phase("vllm_engine"):
             self.llm = LLM(model=model_dir, tensor_parallel_size=v.tensor_parallel_size,
                            # one process per GPU, children of this actor: never Ray's executor, which
@@ -170,10 +169,11 @@ class VLLMGenerationWorker(GenerationWorker):
         if self.adapter_root is not None:
             shutil.rmtree(self.adapter_root, ignore_errors=True)
 
-    def join_refit_communicator(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        """nccl: this engine's processes join a communicator with policy rank 0 (rank 0 there),
-        in engine order, each engine's in the order of its GPUs."""
-        self._rpc("rlkit_join_refit_communicator", host, port, world_size, 1 + self.rank * self.gpus, timeout_s)
+    def join_refit_communicator(self, host: str, port: int, world_size: int, first_rank: int,
+                                timeout_s: float) -> None:
+        """nccl: this engine's processes join the communicator of the policy rank that feeds it
+        (rank 0 there), at ranks first_rank on, in the order of its GPUs."""
+        self._rpc("rlkit_join_refit_communicator", host, port, world_size, first_rank, timeout_s)
 
     def weight_checksums(self) -> list[dict[str, int]]:
         return self._rpc("rlkit_param_checksums")
