@@ -31,13 +31,13 @@ TRANSPORTS = {"cuda_ipc": ["cluster.placement=colocated", "refit=cuda_ipc"],
               "cuda_ipc-tp2-engine": ["cluster.placement=colocated", "refit=cuda_ipc", "policy.num_workers=2",
                                       "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"],
               # disaggregated: a TP=2 engine on GPUs 1-2 fed by the policy on GPU 0 (three GPUs); two engines
-              # (GPUs 2, 3) fed by two policy ranks (GPUs 0, 1), through one communicator or one per engine
+              # (GPUs 2, 3) fed by two policy ranks (GPUs 0, 1), through one communicator or spread (rank i to engine i)
               "nccl-tp2-engine": ["cluster.placement=disaggregated", "refit=nccl",
                                   "generation.vllm.tensor_parallel_size=2"],
-              "nccl-two-engines": ["cluster.placement=disaggregated", "refit=nccl", "policy.num_workers=2",
-                                   "generation.num_workers=2"],
-              "nccl-two-engines-per-engine": ["cluster.placement=disaggregated", "refit=nccl", "policy.num_workers=2",
-                                              "generation.num_workers=2", "refit.broadcast_groups=per_engine"]}
+              "nccl-two-engines-one-group": ["cluster.placement=disaggregated", "refit=nccl", "policy.num_workers=2",
+                                             "generation.num_workers=2", "refit.broadcast_groups=one"],
+              "nccl-two-engines-spread": ["cluster.placement=disaggregated", "refit=nccl", "policy.num_workers=2",
+                                          "generation.num_workers=2", "refit.broadcast_groups=spread"]}
 
 
 def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int]) -> list[dict]:

@@ -9,7 +9,7 @@ How bytes travel is the transport's business; every transport moves the same Ref
   cuda_ipc  colocated: each policy rank packs into two slots on its GPU that the vLLM process on
             that GPU maps through CUDA IPC handles (rlkit/refit/transports/cuda_ipc.py)
   nccl      disaggregated: a policy rank broadcasts each bucket to the vLLM processes of its
-            communicator: policy rank 0 to all of them, or (refit.broadcast_groups=per_engine)
+            communicator: policy rank 0 to all of them, or (refit.broadcast_groups=spread)
             policy rank i to engine i, every engine at once (rlkit/refit/transports/nccl.py)
 Every vLLM process receives whole HF tensors; an engine of several GPUs (tensor parallelism)
 has one process per GPU, and vLLM's loader takes each one's shard.

@@ -109,7 +109,7 @@ class RefitConfig:
     verify_checksums: bool = MISSING
     keep_fp32: list[str] = MISSING
     channel_host: str = MISSING
-    # nccl: one | per_engine (rlkit/config/choices.py BROADCAST_GROUPS)
+    # nccl: one | spread (rlkit/config/choices.py BROADCAST_GROUPS)
     broadcast_groups: str = MISSING
     # policy.peft runs: merged | adapter (rlkit/config/choices.py PEFT_MODES)
     peft: str = MISSING

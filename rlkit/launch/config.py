@@ -430,11 +430,6 @@ def _validate_rollout_transport(cfg: RootConfig) -> None:
     if cfg.refit.transport == "nccl" and cfg.cluster.placement != "disaggregated":
         raise ConfigError("refit.transport: nccl needs cluster.placement=disaggregated (policy and vLLM on "
                           "different GPUs); use refit=cuda_ipc when colocated")
-    if cfg.refit.broadcast_groups == "per_engine" and (cfg.refit.transport != "nccl"
-                                                         or g.num_workers > p.num_workers):
-        raise ConfigError("refit.broadcast_groups: per_engine needs refit=nccl and a policy rank for every engine, "
-                          f"generation.num_workers <= policy.num_workers (got: refit.transport={cfg.refit.transport}, "
-                          f"{g.num_workers} engines, {p.num_workers} policy ranks); use broadcast_groups=one")
     if cfg.refit.bucket_mb <= 0:
         raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb}); e.g. 512 on GPUs")
 

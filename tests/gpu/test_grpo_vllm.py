@@ -17,8 +17,6 @@ MOE = ["policy.model_path=tiny://qwen3_moe"]
 # colocated on two GPUs: each policy rank feeds the engine process on its GPU
 TWO_ENGINES = ["policy.num_workers=2", "generation.num_workers=2"]
 TP2_ENGINE = ["policy.num_workers=2", "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"]
-# disaggregated: policy rank i feeds engine i over a communicator of their own
-TWO_ENGINES_PER_ENGINE = TWO_ENGINES + ["refit.broadcast_groups=per_engine"]
 # the MoE policy's experts split over two ranks (EP=2), each exporting its experts for the engine beside it
 MOE_EP2 = MOE + ["policy.num_workers=2", "policy.expert_parallel_size=2", "generation.num_workers=2"]
 
@@ -34,7 +32,8 @@ MOE_EP2 = MOE + ["policy.num_workers=2", "policy.expert_parallel_size=2", "gener
                                     pytest.param(COLOCATED + MOE_EP2, id="moe-ep2-cuda_ipc", marks=pytest.mark.gpus(2)),
                                     pytest.param(DISAGGREGATED + ["generation.vllm.tensor_parallel_size=2"],
                                                  id="tp2-engine-nccl", marks=pytest.mark.gpus(3)),
-                                    pytest.param(DISAGGREGATED + TWO_ENGINES_PER_ENGINE, id="two-engines-nccl-per-engine",
+                                    # policy rank i feeds engine i (refit.broadcast_groups=spread)
+                                    pytest.param(DISAGGREGATED + TWO_ENGINES, id="two-engines-nccl-spread",
                                                  marks=pytest.mark.gpus(4))])
 def test_grpo_with_vllm(ray_cluster, make_cfg, layout, request):
     cfg, resolved = make_cfg(*layout, "algorithm.num_steps=3", "algorithm.val_every=3",

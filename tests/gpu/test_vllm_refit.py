@@ -18,17 +18,17 @@ COLOCATED = ["cluster.placement=colocated", "refit=cuda_ipc"]
 DISAGGREGATED = ["cluster.placement=disaggregated", "refit=nccl"]
 TWO_ENGINES = ["policy.num_workers=2", "generation.num_workers=2"]
 TP2_ENGINE = ["policy.num_workers=2", "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"]
-PER_ENGINE = ["refit.broadcast_groups=per_engine"]
+ONE_GROUP = ["refit.broadcast_groups=one"]
 LAYOUTS = [pytest.param(COLOCATED, id="cuda_ipc"), pytest.param(DISAGGREGATED, id="nccl", marks=pytest.mark.gpus(2)),
            pytest.param(COLOCATED + TWO_ENGINES, id="two-engines-cuda_ipc", marks=pytest.mark.gpus(2)),
            pytest.param(COLOCATED + TP2_ENGINE, id="tp2-engine-cuda_ipc", marks=pytest.mark.gpus(2)),
            # disaggregated: one policy GPU feeds an engine on two more; two policy ranks feed two engines,
-           # through one communicator (policy rank 0 to both) or one per engine (rank i to engine i)
+           # through one communicator (policy rank 0 to both) or spread (rank i to engine i)
            pytest.param(DISAGGREGATED + ["generation.vllm.tensor_parallel_size=2"], id="tp2-engine-nccl",
                         marks=pytest.mark.gpus(3)),
-           pytest.param(DISAGGREGATED + TWO_ENGINES, id="two-engines-nccl", marks=pytest.mark.gpus(4)),
-           pytest.param(DISAGGREGATED + TWO_ENGINES + PER_ENGINE, id="two-engines-nccl-per-engine",
-                        marks=pytest.mark.gpus(4))]
+           pytest.param(DISAGGREGATED + TWO_ENGINES + ONE_GROUP, id="two-engines-nccl-one-group",
+                        marks=pytest.mark.gpus(4)),
+           pytest.param(DISAGGREGATED + TWO_ENGINES, id="two-engines-nccl-spread", marks=pytest.mark.gpus(4))]
 # vLLM's row-parallel layers split the HF weight's dim 1; the other layers split dim 0, norms none
 ROW_PARALLEL = (".o_proj.", ".down_proj.")
 

@@ -55,12 +55,17 @@ def test_one_broadcast_group_numbers_every_engine_process_after_policy_rank_0():
     assert group.world_size == 5 and [group.first_rank(e) for e in (0, 1)] == [1, 3]
 
 
-def test_per_engine_groups_pair_engine_i_with_policy_rank_i():
-    groups = broadcast_groups("per_engine", policy_ranks=3, engines=2, engine_gpus=2)
+def test_spread_groups_pair_engine_i_with_policy_rank_i():
+    groups = broadcast_groups("spread", policy_ranks=3, engines=2, engine_gpus=2)
     assert [(g.sender, g.engines, g.world_size, g.first_rank(g.engines[0])) for g in groups] == [(0, (0,), 3, 1),
                                                                                                 (1, (1,), 3, 1)]
 
 
-def test_per_engine_groups_need_a_policy_rank_per_engine():
-    with pytest.raises(ValueError, match=r"need a policy rank per engine \(3 > 2\)"):
-        broadcast_groups("per_engine", policy_ranks=2, engines=3, engine_gpus=1)
+def test_spread_groups_deal_more_engines_than_policy_ranks_round_robin():
+    groups = broadcast_groups("spread", policy_ranks=2, engines=3, engine_gpus=1)
+    assert [(g.sender, g.engines) for g in groups] == [(0, (0, 2)), (1, (1,))]
+    assert groups[0].world_size == 3 and groups[0].first_rank(2) == 2
+
+
+def test_spread_over_one_policy_rank_is_one_group():
+    assert broadcast_groups("spread", 1, 3, 2) == broadcast_groups("one", 1, 3, 2)

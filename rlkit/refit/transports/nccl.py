@@ -37,15 +37,13 @@ class BroadcastGroup:
 
 
 def broadcast_groups(grouping: str, policy_ranks: int, engines: int, engine_gpus: int) -> list[BroadcastGroup]:
-    """refit.broadcast_groups: one (policy rank 0 broadcasts to every engine) or per_engine (engine
-    i has a communicator of its own with policy rank i, so the engines are fed in parallel; every
-    policy rank holds or gathers the whole export, so any can send). per_engine needs an engine per
-    policy rank at most (checked with the config)."""
+    """refit.broadcast_groups: one (policy rank 0 broadcasts to every engine) or spread (engine i
+    is fed by policy rank i mod policy_ranks, one communicator per sending rank, so the ranks send
+    at once; every policy rank holds or gathers the whole export, so any can send)."""
     if grouping == "one":
         return [BroadcastGroup(0, tuple(range(engines)), engine_gpus)]
-    if engines > policy_ranks:
-        raise ValueError(f"per_engine broadcast groups need a policy rank per engine ({engines} > {policy_ranks})")
-    return [BroadcastGroup(i, (i,), engine_gpus) for i in range(engines)]
+    return [BroadcastGroup(rank, tuple(range(rank, engines, policy_ranks)), engine_gpus)
+            for rank in range(min(policy_ranks, engines))]
 
 
 class RefitCommunicator:
