@@ -6,6 +6,7 @@ whatever the timing, and a tool-time budget ends an episode cleanly."""
 import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import ray
@@ -73,7 +74,8 @@ def roll_out(engine, env_cfg: dict, slow_prompt: int | None, **runner):
                       {"prompt": i, "sleep_s": SLOW_S if i == slow_prompt else 0.0})
                for i, text in enumerate(["2+3=", "7+1=", "4+4=", "9+2="])]
     envs = EnvironmentPool(env_cfg, replace(cfg.env_runner, **runner))
-    log = open(env_cfg["log_path"], "w").close() or env_cfg["log_path"]
+    log = Path(env_cfg["log_path"])
+    log.write_text("")  # this rollout's steps alone
     try:
         start = time.perf_counter()
         episodes = run_episodes(prompts, renderer, generation, envs, SamplingParams(4, 1.0, 1.0, 0, seed=5),
@@ -81,8 +83,7 @@ def roll_out(engine, env_cfg: dict, slow_prompt: int | None, **runner):
         print(f"{runner}: {time.perf_counter() - start:.1f} s")
     finally:
         envs.shutdown()
-    with open(log) as lines:
-        return episodes, [json.loads(line) for line in lines]
+    return episodes, [json.loads(line) for line in log.read_text().splitlines()]
 
 
 def test_a_slow_tool_delays_only_its_own_trajectory(engine, timed_env):
