@@ -3,19 +3,22 @@
 Only model-generated tokens are trained on: environment turns (a user observation, or the
 results of the model's tool calls) are appended to the sequence with response_mask 0, rendered
 as the prompts were (PromptRenderer), and the model's tokens are kept as generated, never
-re-tokenized. Single-turn is the same loop with env_runner.max_turns = 1.
+re-tokenized. Single-turn is the same loop with env_runner.max_turns = 1. Episodes proceed turn
+by turn together (env_runner.flow=per_turn) or each on its own (per_trajectory,
+rlkit/algorithms/trajectories.py).
 """
 
 from dataclasses import dataclass, field
 
 import torch
 
+from rlkit.algorithms.trajectories import run_trajectories
 from rlkit.cluster.groups import GenerationWorkers
 from rlkit.config.schema import EnvRunnerConfig
 from rlkit.data.batch import Batch, right_pad
 from rlkit.data.generation import SamplingParams
 from rlkit.data.prompts import Prompt, PromptRenderer
-from rlkit.envs.runner import EnvironmentPool
+from rlkit.envs.runner import NO_FAILURES, EnvironmentPool, Stepped
 from rlkit.envs.tools.toolbox import valid_fraction
 from rlkit.observability.metrics import PhaseTimer
 
@@ -34,6 +37,55 @@ class Episode:
     turns: int = 0
     generated: int = field(default=0)
     truncated: bool = False  # its last turn used its whole token budget without ending in EOS
+    env_seconds: float = 0.0  # how long its environment steps ran, added up
+    counts: dict = field(default_factory=dict)  # its env/ and tools/ counts, added up over its steps
+
+    def add_generation(self, ids: list[int], logprobs: list[float], budget: int, tokenizer) -> None:
+        """The model's turn, its tokens as generated (budget: the most it was allowed)."""
+        self.token_ids += ids
+        self.trained += [True] * len(ids)
+        self.logprobs += logprobs
+        self.generated += len(ids)
+        self.turns += 1
+        self.truncated = len(ids) >= budget and ids[-1] != tokenizer.eos_token_id
+        self.messages.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+
+    def add_step(self, stepped: Stepped, generated: list[int], renderer: PromptRenderer, cfg: EnvRunnerConfig) -> None:
+        """The environment's answer to the model's turn (`generated`, its tokens): the episode
+        ends when the environment says so or a budget is used up (counted as env/ended_<budget>);
+        otherwise the observation or tool results are appended, masked out of the loss."""
+        step = stepped.step
+        self.reward += step.reward
+        self.correct = step.correct if step.correct is not None else self.correct
+        self.env_seconds += stepped.seconds
+        for key, value in [*stepped.counts.items(), *(step.counts or {}).items()]:
+            self.counts[key] = self.counts.get(key, 0) + value
+        budget = None if step.done else used_up_budget(self, cfg)
+        if budget is not None:
+            self.counts[f"env/ended_{budget}"] = 1
+        self.done = step.done or budget is not None
+        if not self.done:
+            turn = step.tool_messages or [{"role": "user", "content": step.observation}]
+            turn_ids = renderer.appended_ids(generated, turn)
+            self.token_ids += turn_ids
+            self.trained += [False] * len(turn_ids)
+            self.logprobs += [0.0] * len(turn_ids)
+            self.messages += turn
+
+
+BUDGETS = ("max_turns", "max_total_tokens", "max_tool_seconds")  # env_runner's per-episode budgets
+
+
+def used_up_budget(episode: Episode, cfg: EnvRunnerConfig) -> str | None:
+    """The first of env_runner's budgets (BUDGETS) the episode has used up: its model turns, its
+    generated tokens, its environment seconds (max_tool_seconds 0: no limit); None if none."""
+    if episode.turns >= cfg.max_turns:
+        return "max_turns"
+    if episode.generated >= cfg.max_total_tokens:
+        return "max_total_tokens"
+    if cfg.max_tool_seconds and episode.env_seconds >= cfg.max_tool_seconds:
+        return "max_tool_seconds"
+    return None
 
 
 @dataclass
@@ -93,15 +145,26 @@ def run_episodes(prompts: list[Prompt], renderer: PromptRenderer, generation: Ge
                  envs: EnvironmentPool, params: SamplingParams, cfg: EnvRunnerConfig,
                  timer: PhaseTimer | None = None, samples_per_prompt: int = 1) -> Episodes:
     """samples_per_prompt episodes of each prompt, adjacent, the prompt's group (group id: the
-    prompt's index). timer, if given, accumulates the "generate" and "reward" (environment)
-    phases over turns."""
-    timer, tokenizer = timer or PhaseTimer(), renderer.tokenizer
-    eos = tokenizer.eos_token_id
+    prompt's index), in prompt order. timer, if given, accumulates the "generate" and "reward"
+    (environment) phases over turns; with env_runner.flow=per_trajectory the two overlap, and
+    "generate" is the whole rollout."""
+    timer = timer or PhaseTimer()
     episodes = [Episode(token_ids=list(p.token_ids), trained=[False] * len(p.token_ids),
                         logprobs=[0.0] * len(p.token_ids), messages=list(p.messages), metadata=p.metadata,
                         group=group)
                 for group, p in enumerate(prompts) for _ in range(samples_per_prompt)]
-    failures: dict[str, int] = {}
+    if cfg.flow == "per_trajectory":
+        with timer("generate"):
+            run_trajectories(episodes, renderer, generation, envs, params, cfg)
+    else:
+        _run_turns(episodes, renderer, generation, envs, params, cfg, timer)
+    return _collate(episodes, renderer.tokenizer.pad_token_id)
+
+
+def _run_turns(episodes: list[Episode], renderer: PromptRenderer, generation: GenerationWorkers,
+               envs: EnvironmentPool, params: SamplingParams, cfg: EnvRunnerConfig, timer: PhaseTimer) -> None:
+    """env_runner.flow=per_turn: each turn generates for every episode still going, then steps
+    all of their environments."""
     for turn in range(cfg.max_turns):
         active = [e for e in episodes if not e.done]
         if not active:
@@ -112,34 +175,14 @@ def run_episodes(prompts: list[Prompt], renderer: PromptRenderer, generation: Ge
                                       SamplingParams(**{**params.__dict__, "max_new_tokens": budget,
                                                         "seed": params.seed * 100 + turn}))
         for episode, ids, lps in zip(active, out.token_ids, out.logprobs):
-            episode.token_ids += ids
-            episode.trained += [True] * len(ids)
-            episode.logprobs += lps
-            episode.generated += len(ids)
-            episode.turns += 1
-            episode.truncated = len(ids) >= budget and ids[-1] != eos
-            episode.messages.append({"role": "assistant",
-                                     "content": tokenizer.decode(ids, skip_special_tokens=True)})
+            episode.add_generation(ids, lps, budget, renderer.tokenizer)
         with timer("reward"):
-            steps, counts = envs.step([(e.messages, e.metadata) for e in active])
-        for key, value in [*counts.items(), *(item for step in steps for item in (step.counts or {}).items())]:
-            failures[key] = failures.get(key, 0) + value
-        for episode, step, generated in zip(active, steps, out.token_ids):
-            episode.reward += step.reward
-            episode.correct = step.correct if step.correct is not None else episode.correct
-            out_of_budget = turn == cfg.max_turns - 1 or episode.generated >= cfg.max_total_tokens
-            episode.done = step.done or out_of_budget
-            if not episode.done:
-                turn = step.tool_messages or [{"role": "user", "content": step.observation}]
-                turn_ids = renderer.appended_ids(generated, turn)
-                episode.token_ids += turn_ids
-                episode.trained += [False] * len(turn_ids)
-                episode.logprobs += [0.0] * len(turn_ids)
-                episode.messages += turn
-    return _collate(episodes, tokenizer.pad_token_id, failures)
+            steps = envs.step([(e.messages, e.metadata) for e in active])
+        for episode, stepped, generated in zip(active, steps, out.token_ids):
+            episode.add_step(stepped, generated, renderer, cfg)
 
 
-def _collate(episodes: list[Episode], pad_id: int, failures: dict) -> Episodes:
+def _collate(episodes: list[Episode], pad_id: int) -> Episodes:
     input_ids = right_pad([e.token_ids for e in episodes], pad_id)
     mask = torch.zeros(input_ids.shape)
     logprobs = torch.zeros(input_ids.shape)
@@ -147,8 +190,12 @@ def _collate(episodes: list[Episode], pad_id: int, failures: dict) -> Episodes:
         mask[i, :len(e.trained)] = torch.tensor(e.trained, dtype=torch.float32)
         logprobs[i, :len(e.logprobs)] = torch.tensor(e.logprobs)
     correct = torch.tensor([float("nan") if e.correct is None else float(e.correct) for e in episodes])
-    metrics = {"train/turns": sum(e.turns for e in episodes) / len(episodes), **failures,
-               "env/failure_rate": failures.get("env/failures", 0) / len(episodes)}
+    counts = {**NO_FAILURES, **{f"env/ended_{budget}": 0 for budget in BUDGETS}}
+    for e in episodes:  # in episode order: the sums do not depend on which episode finished first
+        for key, value in e.counts.items():
+            counts[key] = counts.get(key, 0) + value
+    metrics = {"train/turns": sum(e.turns for e in episodes) / len(episodes), **counts,
+               "env/failure_rate": counts["env/failures"] / len(episodes)}
     return Episodes(Batch({"input_ids": input_ids, "response_mask": mask, "generation_logprobs": logprobs}),
                     torch.tensor([len(e.token_ids) for e in episodes]), torch.tensor([e.reward for e in episodes]),
                     correct, torch.tensor([e.truncated for e in episodes]), metrics,

@@ -132,7 +132,9 @@ class EnvRunnerConfig:
     fail_fast: bool = MISSING
     max_turns: int = MISSING
     max_total_tokens: int = MISSING
+    max_tool_seconds: float = MISSING
     observation_format: str = MISSING
+    flow: str = MISSING
 
 
 @dataclass

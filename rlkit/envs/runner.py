@@ -2,11 +2,15 @@
 
 An exception, a timeout or a malformed return in user code becomes a recorded failure for that
 sample (reward = env_runner.failure_reward), never a crashed or hung run. With
-env_runner.fail_fast the first failure is raised instead.
+env_runner.fail_fast the first failure is raised instead. Each worker's environment steps one
+call at a time: a batch of calls is spread over the workers (EnvironmentPool.step), single calls
+of independent trajectories each take a free worker (ConcurrentSteps).
 """
 
+import asyncio
 import logging
 import os
+import time
 import traceback
 from concurrent.futures import Executor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -25,23 +29,40 @@ class StepOutcome:
     step: EnvStep | None  # None when the call failed
     failure: str | None = None  # "exception" | "timeout" | "malformed"
     detail: str = ""  # traceback or message
+    seconds: float = 0.0  # how long step() ran (a timed-out call: the whole timeout)
 
 
 def safe_step(env, messages: list[dict], metadata: dict, timeout_s: float,
               executor: Executor) -> tuple[StepOutcome, bool]:
     """Run env.step in `executor` with a timeout. Returns (outcome, executor_is_stuck)."""
+    start = time.perf_counter()
     future = executor.submit(env.step, messages, metadata)
     try:
         value = future.result(timeout=timeout_s)
     except FutureTimeout:
         return StepOutcome(None, "timeout", f"step() did not return within {timeout_s}s "
-                                            "(env_runner.timeout_s)"), True
+                                            "(env_runner.timeout_s)", timeout_s), True
     except Exception:  # noqa: BLE001 - user code may raise anything
-        return StepOutcome(None, "exception", traceback.format_exc()), False
+        return StepOutcome(None, "exception", traceback.format_exc(), time.perf_counter() - start), False
+    seconds = time.perf_counter() - start
     try:
-        return StepOutcome(as_env_step(value)), False
+        return StepOutcome(as_env_step(value), seconds=seconds), False
     except TypeError as e:
-        return StepOutcome(None, "malformed", str(e)), False
+        return StepOutcome(None, "malformed", str(e), seconds), False
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """One call's answer to its episode: the environment's step (a failed call's: failure_reward,
+    done), the env/ failure counts it adds, and how long step() ran in its worker."""
+    step: EnvStep
+    counts: dict[str, int]
+    seconds: float
+
+
+# each failed call counts in env/failures and under its kind
+FAILURE_COUNTS = {"timeout": "env/timeouts", "exception": "env/exceptions", "malformed": "env/malformed"}
+NO_FAILURES = {"env/failures": 0, **{key: 0 for key in FAILURE_COUNTS.values()}}
 
 
 class EnvWorker:
@@ -96,46 +117,78 @@ class EnvironmentPool:
     def _spawn(self):
         return self._remote.remote(self.target, self.kwargs, self.cfg.timeout_s)
 
-    def step(self, items: list[tuple[list[dict], dict]]) -> tuple[list[EnvStep], dict]:
-        """One step for each (messages, metadata); failed calls get env_runner.failure_reward.
-        Returns the steps and failure counts by kind."""
+    def step(self, items: list[tuple[list[dict], dict]]) -> list[Stepped]:
+        """One step for each (messages, metadata), in order; failed calls get
+        env_runner.failure_reward."""
         n = len(self.workers)
         chunks = [items[i::n] for i in range(n)]
         refs = [w.step_many.remote(chunk) for w, chunk in zip(self.workers, chunks)]
         outcomes: list[StepOutcome | None] = [None] * len(items)
         for i, (ref, chunk) in enumerate(zip(refs, chunks)):
             try:
-                results, stuck = ray.get(ref, timeout=self.cfg.timeout_s * (len(chunk) + 1) + 30)
+                results, stuck = ray.get(ref, timeout=self._call_timeout(len(chunk)))
             except Exception as e:  # noqa: BLE001 - a dead or wedged worker fails its samples, not the run
-                results, stuck = [StepOutcome(None, "exception", f"environment worker {i} failed: {e}")] * len(chunk), True
+                results, stuck = [self._worker_failed(i, e)] * len(chunk), True
             if stuck:
-                ray.kill(self.workers[i])
-                self.workers[i] = self._spawn()
+                self._replace(i)
             for j, outcome in enumerate(results):
                 outcomes[i + j * n] = outcome
-        return self._resolve(outcomes)
+        return [self._resolve(outcome) for outcome in outcomes]
 
-    def _resolve(self, outcomes: list[StepOutcome]) -> tuple[list[EnvStep], dict]:
-        counts = {"env/failures": 0, "env/timeouts": 0, "env/exceptions": 0, "env/malformed": 0}
-        steps = []
-        for outcome in outcomes:
-            if outcome.step is not None:
-                steps.append(outcome.step)
-                continue
-            if self.cfg.fail_fast:
-                raise EnvironmentFailure(f"environment {self.target} failed ({outcome.failure}); "
-                                         f"env_runner.fail_fast is on:\n{outcome.detail}")
-            if not self._logged_failure:
-                log.warning("environment %s failed (%s); scoring such samples %s and counting them in "
-                            "env/failures. First failure:\n%s", self.target, outcome.failure,
-                            self.cfg.failure_reward, outcome.detail)
-                self._logged_failure = True
-            counts["env/failures"] += 1
-            counts[{"timeout": "env/timeouts", "exception": "env/exceptions",
-                    "malformed": "env/malformed"}[outcome.failure]] += 1
-            steps.append(EnvStep(reward=self.cfg.failure_reward, done=True))
-        return steps, counts
+    def concurrent_steps(self) -> "ConcurrentSteps":
+        """For one rollout whose trajectories step independently (env_runner.flow=per_trajectory)."""
+        return ConcurrentSteps(self)
+
+    def _call_timeout(self, calls: int) -> float:
+        return self.cfg.timeout_s * (calls + 1) + 30
+
+    @staticmethod
+    def _worker_failed(i: int, error: Exception) -> StepOutcome:
+        return StepOutcome(None, "exception", f"environment worker {i} failed: {error}")
+
+    def _replace(self, i: int) -> None:
+        ray.kill(self.workers[i])
+        self.workers[i] = self._spawn()
+
+    def _resolve(self, outcome: StepOutcome) -> Stepped:
+        if outcome.step is not None:
+            return Stepped(outcome.step, {}, outcome.seconds)
+        if self.cfg.fail_fast:
+            raise EnvironmentFailure(f"environment {self.target} failed ({outcome.failure}); "
+                                     f"env_runner.fail_fast is on:\n{outcome.detail}")
+        if not self._logged_failure:
+            log.warning("environment %s failed (%s); scoring such samples %s and counting them in "
+                        "env/failures. First failure:\n%s", self.target, outcome.failure,
+                        self.cfg.failure_reward, outcome.detail)
+            self._logged_failure = True
+        return Stepped(EnvStep(reward=self.cfg.failure_reward, done=True),
+                       {"env/failures": 1, FAILURE_COUNTS[outcome.failure]: 1}, outcome.seconds)
 
     def shutdown(self):
         for worker in self.workers:
             ray.kill(worker)
+
+
+class ConcurrentSteps:
+    """Single step calls of one rollout's trajectories, each on the first free worker: calls run
+    side by side on different workers, so a slow call holds up its own trajectory alone. Used
+    within one event loop (one rollout); timeouts, failures and the replacement of a stuck
+    worker are EnvironmentPool.step's."""
+
+    def __init__(self, pool: EnvironmentPool):
+        self.pool = pool
+        self.free: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(len(pool.workers)):
+            self.free.put_nowait(i)
+
+    async def step(self, messages: list[dict], metadata: dict) -> Stepped:
+        i = await self.free.get()
+        try:
+            (outcome,), stuck = await asyncio.wait_for(self.pool.workers[i].step_many.remote([(messages, metadata)]),
+                                                       self.pool._call_timeout(1))
+        except Exception as e:  # noqa: BLE001 - a dead or wedged worker fails its call, not the run
+            outcome, stuck = self.pool._worker_failed(i, e), True
+        if stuck:
+            self.pool._replace(i)
+        self.free.put_nowait(i)
+        return self.pool._resolve(outcome)

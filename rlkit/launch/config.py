@@ -28,7 +28,7 @@ from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports
 from rlkit.bridge.adapters import check_peft
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.config.choices import BROADCAST_GROUPS, OFFLOAD_MODES, PEFT_MODES, TRANSPORTS
+from rlkit.config.choices import BROADCAST_GROUPS, FLOWS, OFFLOAD_MODES, PEFT_MODES, TRANSPORTS
 from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig
 from rlkit.envs.base import check_environment_config
 from rlkit.launch.preflight import check_config
@@ -396,6 +396,10 @@ def _validate_rollout_choices(cfg: RootConfig) -> None:
     r = cfg.env_runner  # before the algorithm's checks, which compute the response budget from these
     _positive(("env_runner.num_workers", r.num_workers), ("env_runner.max_turns", r.max_turns),
               ("env_runner.max_total_tokens", r.max_total_tokens))
+    _choice("env_runner.flow", r.flow, FLOWS)
+    if r.max_tool_seconds < 0:
+        raise ConfigError(f"env_runner.max_tool_seconds: must be >= 0 (got: {r.max_tool_seconds}); give seconds, "
+                          f"or 0 for no limit")
 
 
 def _validate_engine_parallel(cfg: RootConfig) -> None:

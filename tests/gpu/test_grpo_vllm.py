@@ -24,6 +24,9 @@ MOE_EP2 = MOE + ["policy.num_workers=2", "policy.expert_parallel_size=2", "gener
 @pytest.mark.parametrize("layout", [pytest.param(COLOCATED, id="cuda_ipc"),
                                     pytest.param(DISAGGREGATED, id="nccl", marks=pytest.mark.gpus(2)),
                                     pytest.param(COLOCATED + MOE, id="moe-cuda_ipc"),
+                                    # each episode's requests sent as it makes them (vLLM's generate_requests)
+                                    pytest.param(COLOCATED + ["env_runner.flow=per_trajectory"],
+                                                 id="per-trajectory-cuda_ipc"),
                                     pytest.param(DISAGGREGATED + MOE, id="moe-nccl", marks=pytest.mark.gpus(2)),
                                     pytest.param(COLOCATED + TWO_ENGINES, id="two-engines-cuda_ipc",
                                                  marks=pytest.mark.gpus(2)),

@@ -98,3 +98,23 @@ def test_generation_logprobs_match_policy(refit_setup):
     metrics = logprob_error(workers.policy.logprobs(rollout), rollout["generation_logprobs"], rollout["response_mask"])
     print(f"logprob error after refit: {metrics}")
     assert metrics["refit/token_mult_prob_error"] <= 1.05
+
+
+def test_a_request_is_sampled_alike_alone_and_beside_others(refit_setup):
+    """env_runner.flow=per_trajectory sends requests as trajectories make them: a request's sample
+    (its own seed) is the same whatever vLLM batches it with. Its logprobs may differ in the last
+    bits (vLLM's kernels are not batch-invariant)."""
+    import ray
+
+    from rlkit.data.generation import SamplingParams
+    from rlkit.workers.generation.base import GenerationWorker as Engine
+
+    workers, plan, transport, _, _ = refit_setup
+    transport(plan, True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    params = [SamplingParams(16, 1.0, 1.0, 0, seed=seed) for seed in (11, 22, 33)]
+    alone, = ray.get(workers.generation.workers.submit(Engine.generate_requests, prompts[:1], params[:1], ranks=[0]))
+    beside, = ray.get(workers.generation.workers.submit(Engine.generate_requests, prompts[::-1], params[::-1],
+                                                         ranks=[0]))
+    assert beside.token_ids[2] == alone.token_ids[0]
+    assert torch.allclose(torch.tensor(beside.logprobs[2]), torch.tensor(alone.logprobs[0]), atol=1e-3)

@@ -1,7 +1,8 @@
 """Async GRPO (algorithm.max_staleness=2, disaggregated) on a real local Ray cluster: every step
 trains on a rollout from the weight version the schedule names, the engines' logprobs then
 differ from the trainer's by the staleness, and a run killed with SIGKILL resumes to exactly the
-uninterrupted run's metrics, the rollouts generated ahead restored from the checkpoint."""
+uninterrupted run's metrics, the rollouts generated ahead restored from the checkpoint; with
+episodes turn by turn together and each on its own (env_runner.flow)."""
 
 import subprocess
 import sys
@@ -21,15 +22,21 @@ ASYNC = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3",
          "run.name=grpo_async"]
 
 
-def train_command(out_dir, cache_dir):
+def train_command(out_dir, cache_dir, flow):
     return [sys.executable, "-m", "rlkit.cli", "train", "--config-name", "grpo_tiny_cpu", *ASYNC,
-            f"run.output_dir={out_dir}", f"run.cache_dir={cache_dir}"]
+            f"env_runner.flow={flow}", f"run.output_dir={out_dir}", f"run.cache_dir={cache_dir}"]
+
+
+@pytest.fixture(scope="module", params=["per_turn", "per_trajectory"])
+def flow(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, tmp_path_factory, cache_dir):
+def uninterrupted(ray_cluster, tmp_path_factory, cache_dir, flow):
     out = tmp_path_factory.mktemp("async_uninterrupted")
-    cfg, resolved = load_config("grpo_tiny_cpu", [*ASYNC, f"run.output_dir={out}", f"run.cache_dir={cache_dir}"])
+    cfg, resolved = load_config("grpo_tiny_cpu", [*ASYNC, f"env_runner.flow={flow}", f"run.output_dir={out}",
+                                                  f"run.cache_dir={cache_dir}"])
     train(cfg, resolved)
     return out / "grpo_async"
 
@@ -51,14 +58,14 @@ def test_each_step_trains_on_the_scheduled_weight_version(uninterrupted):
     assert {step: rollout.weight_version for step, rollout in pending.items()} == {5: 3, 6: 3}
 
 
-def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path, cache_dir):
+def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path, cache_dir, flow):
     """Killed after step 3: the rollouts of steps 3 and 4 were generated ahead (from version 1)
     and saved with step 2's checkpoint; the resumed run trains on them, then goes on."""
     run_dir = tmp_path / "grpo_async"
-    process = subprocess.Popen(train_command(tmp_path, cache_dir), stdout=subprocess.DEVNULL,
+    process = subprocess.Popen(train_command(tmp_path, cache_dir, flow), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     kill_when(process, lambda: steps_logged(run_dir) >= 3, "after step 3")
-    resumed = subprocess.run(train_command(tmp_path, cache_dir), capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(train_command(tmp_path, cache_dir, flow), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "continuing after step 2" in resumed.stderr
     assert compared(run_dir / "metrics.jsonl") == compared(uninterrupted / "metrics.jsonl")

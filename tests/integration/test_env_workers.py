@@ -2,10 +2,12 @@
 cut off and their worker replaced, multi-turn rollouts mask the environment's tokens, and the
 README's custom environment runs as documented."""
 
+import asyncio
 import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,7 @@ class Faulty(Environment):
 
 def runner_cfg(**overrides) -> EnvRunnerConfig:
     values = dict(num_workers=2, timeout_s=1.0, failure_reward=-1.0, fail_fast=False, max_turns=1,
-                  max_total_tokens=64, observation_format="{observation}")
+                  max_total_tokens=64, max_tool_seconds=0, observation_format="{observation}", flow="per_turn")
     return EnvRunnerConfig(**{**values, **overrides})
 
 
@@ -56,12 +58,38 @@ def test_user_failures_are_recorded_not_fatal(ray_cluster, faulty_env):
     envs = EnvironmentPool(faulty_env, runner_cfg())
     try:
         modes = ["ok", "raise", "hang", "garbage", "ok", "ok"]
-        steps, counts = envs.step([([{"role": "assistant", "content": "x"}], {"mode": m}) for m in modes])
-        assert [s.reward for s in steps] == [1.0, -1.0, -1.0, -1.0, 1.0, 1.0]
-        assert counts == {"env/failures": 3, "env/timeouts": 1, "env/exceptions": 1, "env/malformed": 1}
+        steps = envs.step([([{"role": "assistant", "content": "x"}], {"mode": m}) for m in modes])
+        assert [s.step.reward for s in steps] == [1.0, -1.0, -1.0, -1.0, 1.0, 1.0]
+        assert [s.counts for s in steps] == [{}, {"env/failures": 1, "env/exceptions": 1},
+                                             {"env/failures": 1, "env/timeouts": 1},
+                                             {"env/failures": 1, "env/malformed": 1}, {}, {}]
+        assert steps[2].seconds == 1.0  # a timed-out call took the whole env_runner.timeout_s
         # the worker whose call hung was replaced: the next batch runs normally
-        steps, counts = envs.step([([{"role": "assistant", "content": "x"}], {"mode": "ok"})] * 4)
-        assert [s.reward for s in steps] == [1.0] * 4 and counts["env/failures"] == 0
+        steps = envs.step([([{"role": "assistant", "content": "x"}], {"mode": "ok"})] * 4)
+        assert [s.step.reward for s in steps] == [1.0] * 4 and not any(s.counts for s in steps)
+    finally:
+        envs.shutdown()
+
+
+def test_concurrent_steps_fail_and_replace_workers_as_batched_ones(ray_cluster, faulty_env):
+    """Single calls side by side (env_runner.flow=per_trajectory): each takes a free worker, a hung
+    call holds up only its own caller and is cut off, and its worker is replaced."""
+    envs = EnvironmentPool(faulty_env, runner_cfg())
+
+    async def calls(modes):
+        steps = envs.concurrent_steps()
+        return await asyncio.gather(*(steps.step([{"role": "assistant", "content": "x"}], {"mode": m}) for m in modes))
+
+    try:
+        start = time.perf_counter()
+        steps = asyncio.run(calls(["hang", "ok", "raise", "ok", "garbage"]))
+        assert time.perf_counter() - start < 10  # the calls beside the hung one ran on the other worker
+        assert [s.step.reward for s in steps] == [-1.0, 1.0, -1.0, 1.0, -1.0]
+        assert [s.counts for s in steps] == [{"env/failures": 1, "env/timeouts": 1}, {},
+                                             {"env/failures": 1, "env/exceptions": 1}, {},
+                                             {"env/failures": 1, "env/malformed": 1}]
+        steps = asyncio.run(calls(["ok"] * 4))  # the replaced worker answers
+        assert [s.step.reward for s in steps] == [1.0] * 4
     finally:
         envs.shutdown()
 

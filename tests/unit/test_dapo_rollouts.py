@@ -16,6 +16,7 @@ from rlkit.data.batch import Batch
 from rlkit.data.generation import Generations, SamplingParams
 from rlkit.data.prompts import Prompt
 from rlkit.envs.base import EnvStep
+from rlkit.envs.runner import Stepped
 from rlkit.launch.config import load_config
 
 
@@ -51,14 +52,15 @@ class _Engine:
 
 class _Envs:
     def step(self, items):
-        return [EnvStep(1.0, True) for _ in items], {}
+        return [Stepped(EnvStep(1.0, True), {}, 0.0) for _ in items]
 
 
 def test_truncation_is_a_full_budget_without_eos():
     answers = {0: [4, 9], 1: [5, 5], 2: [7], 3: [6, 9]}  # EOS at the budget's end is not truncation
     prompts = [Prompt([], [i], {}) for i in answers]
     cfg = EnvRunnerConfig(num_workers=1, timeout_s=1.0, failure_reward=0.0, fail_fast=True, max_turns=1,
-                          max_total_tokens=100, observation_format="raw")
+                          max_total_tokens=100, max_tool_seconds=0, observation_format="raw",
+                          flow="per_turn")
     out = run_episodes(prompts, SimpleNamespace(tokenizer=_Tokenizer()), _Engine(answers), _Envs(),
                        SamplingParams(2, 1.0, 1.0, 0, seed=0), cfg)
     assert out.truncated.tolist() == [False, True, False, False]
@@ -67,7 +69,8 @@ def test_truncation_is_a_full_budget_without_eos():
 def test_episodes_of_one_prompt_share_a_group_id():
     answers = {0: [4, 9], 1: [5, 9], 2: [7, 9]}
     cfg = EnvRunnerConfig(num_workers=1, timeout_s=1.0, failure_reward=0.0, fail_fast=True, max_turns=1,
-                          max_total_tokens=100, observation_format="raw")
+                          max_total_tokens=100, max_tool_seconds=0, observation_format="raw",
+                          flow="per_turn")
     out = run_episodes([Prompt([], [i], {}) for i in answers], SimpleNamespace(tokenizer=_Tokenizer()),
                        _Engine(answers), _Envs(), SamplingParams(2, 1.0, 1.0, 0, seed=0), cfg, samples_per_prompt=2)
     assert out.batch["input_ids"][:, 0].tolist() == [0, 0, 1, 1, 2, 2]  # each prompt's samples adjacent

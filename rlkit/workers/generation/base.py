@@ -14,6 +14,12 @@ class GenerationWorker(ABC):
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations: ...
 
     @abstractmethod
+    def generate_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> Generations:
+        """Each prompt with its own params (its seed included): its sample depends on its prompt,
+        its params and the weights alone, never on the requests it runs beside, so independent
+        trajectories' requests can be sent as they come (env_runner.flow=per_trajectory)."""
+
+    @abstractmethod
     def load_adapters(self, adapters: dict) -> None:
         """refit.peft=adapter: the policy's LoRA adapters ({HF PEFT name: tensor}, as
         MegatronModelWorker.export_refit_adapters gives them) replace this worker's, every one

@@ -65,6 +65,11 @@ class HFGenerationWorker(GenerationWorker):
             token_lps.append(lps[:length])
         return Generations(token_ids, token_lps)
 
+    def generate_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> Generations:
+        # one at a time: a request alone has no padding, and its seed alone draws its samples
+        answers = [self.generate([p], q) for p, q in zip(prompt_ids, params)]
+        return Generations([a.token_ids[0] for a in answers], [a.logprobs[0] for a in answers])
+
     # the object-store refit, one Ray call per bucket (rlkit/cluster/refit_driver.py drives it)
     def begin_refit(self, plan: RefitPlan, verify_checksums: bool) -> None:
         self.receiver.begin(plan, verify_checksums)

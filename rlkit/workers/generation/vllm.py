@@ -103,22 +103,22 @@ class VLLMGenerationWorker(GenerationWorker):
         threading.Thread(target=watch, daemon=True, name="rlkit-engine-watch").start()
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations:
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.inputs import TokensPrompt
-
         # samples depend on the call's seed and this engine's rank, not on what the engine sampled before
         call_seed = params.seed * 1_000_003 + self.rank
-        common = dict(max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-                      top_k=params.top_k if params.top_k > 0 else -1, logprobs=0, ignore_eos=params.ignore_eos,
-                      # rlkit decodes what it needs itself; flat logprobs are a few lists per request, not a
-                      # dict and an object per token
-                      detokenize=False, flat_logprobs=True)
         if self.seed_per_request:  # exact on resume (generation.vllm.seed_per_request)
-            sampling = [VllmSamplingParams(**common, seed=(call_seed * 2**20 + i) % 2**63)
-                        for i in range(len(prompt_ids))]
+            sampling = [_vllm_params(params, (call_seed * 2**20 + i) % 2**63) for i in range(len(prompt_ids))]
         else:  # one noise draw for the whole batch: its rows follow vLLM's batching, so not exact on resume
             self._rpc("rlkit_seed_sampler", call_seed)
-            sampling = VllmSamplingParams(**common)
+            sampling = _vllm_params(params, None)
+        return self._generate(prompt_ids, sampling)
+
+    def generate_requests(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> Generations:
+        # each request's own seed draws its samples, whatever else the engine batches with it
+        return self._generate(prompt_ids, [_vllm_params(q, q.seed) for q in params])
+
+    def _generate(self, prompt_ids: list[list[int]], sampling) -> Generations:
+        from vllm.inputs import TokensPrompt
+
         if self._prefix_cache_stale:  # cached KV was computed with the old weights
             self.llm.reset_prefix_cache()
             self._prefix_cache_stale = False
@@ -189,6 +189,18 @@ class VLLMGenerationWorker(GenerationWorker):
             self.llm.wake_up(tags=tags)
             self._asleep_tags -= set(tags)
 
+
+
+def _vllm_params(params: SamplingParams, seed: int | None):
+    """vLLM's sampling parameters for rlkit's, with this seed (None: the engine's sampler)."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    return VllmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+                              top_k=params.top_k if params.top_k > 0 else -1, logprobs=0,
+                              ignore_eos=params.ignore_eos, seed=seed,
+                              # rlkit decodes what it needs itself; flat logprobs are a few lists per request,
+                              # not a dict and an object per token
+                              detokenize=False, flat_logprobs=True)
 
 
 def _max_lora_rank(rank: int) -> int:
