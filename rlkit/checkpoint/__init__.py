@@ -43,9 +43,11 @@ MANIFEST = "manifest.json"
 
 @dataclass(frozen=True)
 class WrittenFiles:
-    """What background writers made: {path: SHA-256} of each file, their bytes, and the seconds
-    the slowest writer spent writing, then taking the digests. Writers run side by side (one per
-    rank, per model), so `|` adds bytes and keeps the longest times."""
+    """What background writers made: {path: SHA-256} of each file, their bytes, the seconds the
+    slowest writer took until its last file was written, and then until its last digest was taken
+    (each file is hashed as soon as it is written, while the others are still being written).
+    Writers run side by side (one per rank, per model), so `|` adds bytes and keeps the longest
+    times."""
     digests: dict[str, str]
     nbytes: int = 0
     write_seconds: float = 0.0
@@ -228,13 +230,16 @@ def _write_manifest(directory: Path, known: dict[Path, str]):
     (directory / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
 
 
+def file_digest(path: Path) -> str:
+    """SHA-256 of the file."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
 def file_digests(files: list[Path]) -> list[str]:
     """SHA-256 of each file, several at once (hashlib releases the GIL on large reads)."""
-    def digest(path: Path) -> str:
-        sha = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                sha.update(chunk)
-        return sha.hexdigest()
     with ThreadPoolExecutor(max_workers=8) as pool:
-        return list(pool.map(digest, files))
+        return list(pool.map(file_digest, files))

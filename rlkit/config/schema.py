@@ -87,6 +87,7 @@ class VllmEngineConfig:
     max_model_len: int = MISSING
     enforce_eager: bool = MISSING
     seed_per_request: bool = MISSING
+    engine_process: bool = MISSING
 
 
 @dataclass

@@ -18,8 +18,10 @@ import ray
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.launch.run import train
 
+# the engine core in a process of its own, which is what dies here (in the worker's process, the
+# worker itself would die, as any worker can)
 RUN = ["algorithm.num_steps=5", "checkpoint.every=2", "algorithm.val_every=100", "algorithm.warm_start.sft_steps=20",
-       "cluster.call_timeout_s=120", "run.name=gpu_chaos"]
+       "cluster.call_timeout_s=120", "run.name=gpu_chaos", "generation.vllm.engine_process=true"]
 
 
 def steps_logged(run_dir) -> list[dict]:

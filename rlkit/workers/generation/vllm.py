@@ -41,7 +41,11 @@ class VLLMGenerationWorker(GenerationWorker):
         self.startup = PhaseTimes()
         if visible_devices is not None:  # before anything initializes CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-        # the engine core is a separate process; IPC handles and plans travel by pickle
+        v = cfg.vllm
+        # in this process, the engine skips spawning and importing a second one and the handshake
+        # with it: 30 s of a warm start on an H100 (docs/performance.md)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if v.engine_process else "0"
+        # an engine core process of its own takes IPC handles and plans by pickle
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         # the engine's process group on this node's address alone (its store: vllm_ext.py)
@@ -51,7 +55,6 @@ class VLLMGenerationWorker(GenerationWorker):
         with self.startup.phase("vllm_import"):
             from vllm import LLM
 
-        v = cfg.vllm
         self.rank, self.sleep_mode, self.seed_per_request = rank, sleep_mode, v.seed_per_request
         self.model_dir, self.adapter = model_dir, adapter
         # LoRA on the adapted modules alone (q_proj etc. name vLLM's fused qkv_proj too): a LoRA
