@@ -12,17 +12,30 @@ same whatever the timing, and a resumed run repeats it exactly.
 import asyncio
 import hashlib
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rlkit.cluster.generation_requests import GenerationRequests
 from rlkit.cluster.groups import GenerationWorkers
 from rlkit.config.schema import EnvRunnerConfig
 from rlkit.data.generation import SamplingParams
 from rlkit.data.prompts import PromptRenderer
-from rlkit.envs.runner import EnvironmentPool
+from rlkit.envs.runner import EnvironmentPool, Stepped
 
-if TYPE_CHECKING:  # episodes.py runs these trajectories
-    from rlkit.algorithms.episodes import Episode
+
+class Episode(Protocol):
+    """What a trajectory reads and adds to (rlkit/algorithms/episodes.py: Episode, which runs
+    these trajectories)."""
+    token_ids: list[int]
+    messages: list[dict]
+    metadata: dict
+    turns: int
+    generated: int
+    done: bool
+
+    def add_generation(self, ids: list[int], logprobs: list[float], budget: int, tokenizer) -> None: ...
+
+    def add_step(self, stepped: Stepped, generated: list[int], renderer: PromptRenderer,
+                 cfg: EnvRunnerConfig) -> None: ...
 
 
 def request_seed(rollout_seed: int, episode: int, turn: int) -> int:
@@ -32,18 +45,18 @@ def request_seed(rollout_seed: int, episode: int, turn: int) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def run_trajectories(episodes: "list[Episode]", renderer: PromptRenderer, generation: GenerationWorkers,
+def run_trajectories(episodes: list[Episode], renderer: PromptRenderer, generation: GenerationWorkers,
                      envs: EnvironmentPool, params: SamplingParams, cfg: EnvRunnerConfig) -> None:
     """Every episode to its end, each on its own (params.seed: the rollout's)."""
     asyncio.run(_run_all(episodes, renderer, generation, envs, params, cfg))
 
 
-async def _run_all(episodes: "list[Episode]", renderer: PromptRenderer, generation: GenerationWorkers,
+async def _run_all(episodes: list[Episode], renderer: PromptRenderer, generation: GenerationWorkers,
                    envs: EnvironmentPool, params: SamplingParams, cfg: EnvRunnerConfig) -> None:
     environment = envs.concurrent_steps()
     async with GenerationRequests(generation) as engines:
 
-        async def trajectory(index: int, episode: "Episode") -> None:
+        async def trajectory(index: int, episode: Episode) -> None:
             while not episode.done:
                 budget = min(params.max_new_tokens, cfg.max_total_tokens - episode.generated)
                 request = replace(params, max_new_tokens=budget, seed=request_seed(params.seed, index, episode.turns))

@@ -39,8 +39,8 @@ def compared(metrics_file) -> dict[int, dict]:
                         and k != "refit/buckets"} for r in rows}
 
 
-def train_command(out_dir, cache_dir, *extra, recipe="grpo_tiny_cpu"):
-    return [sys.executable, "-m", "rlkit.cli", "train", "--config-name", recipe, *RUN,
+def train_command(out_dir, cache_dir, *extra, recipe="grpo_tiny_cpu", run=tuple(RUN)):
+    return [sys.executable, "-m", "rlkit.cli", "train", "--config-name", recipe, *run,
             f"run.output_dir={out_dir}", f"run.cache_dir={cache_dir}", *extra]
 
 
@@ -164,6 +164,31 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
                      "base": AutoModelForCausalLM.from_pretrained(base)(tokens).logits}
     assert (converted["adapter"] - converted["merged"]).abs().max().item() < 1e-4
     assert (converted["adapter"] - converted["base"]).abs().max().item() > 1e-3  # the adapters trained
+
+
+# calculator calls over two turns: the warm start teaches the call (the per-trajectory flow's
+# resume: tests/integration/test_async_grpo.py)
+TOOLS_RUN = ("algorithm.num_steps=4", "checkpoint.every=2", "algorithm.val_every=100", "algorithm.prompts_per_step=2",
+             "policy.train_global_batch_size=16", "policy.micro_batch_size=8", "algorithm.warm_start.sft_steps=60")
+
+
+def test_a_tool_run_killed_with_sigkill_resumes_exactly(ray_cluster, tmp_path_factory, cache_dir):
+    """grpo_tiny_cpu_tools (tool calls parsed and run, their results appended as tool messages)
+    killed after step 3 and started again ends with exactly the metrics of the same run
+    uninterrupted, the tool-call counts and rewards included."""
+    uninterrupted, killed = tmp_path_factory.mktemp("tools_uninterrupted"), tmp_path_factory.mktemp("tools_killed")
+    cfg, resolved = load_config("grpo_tiny_cpu_tools", [*TOOLS_RUN, f"run.output_dir={uninterrupted}",
+                                                        f"run.cache_dir={cache_dir}"])
+    train(cfg, resolved)
+    reference = compared(uninterrupted / "grpo_tiny_cpu_tools" / "metrics.jsonl")
+    assert all(reference[step]["tools/calls"] > 0 for step in range(1, 5))  # the warm start taught the call
+    run_dir = killed / "grpo_tiny_cpu_tools"
+    command = train_command(killed, cache_dir, recipe="grpo_tiny_cpu_tools", run=TOOLS_RUN)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    kill_when(process, lambda: steps_logged(run_dir) >= 3, "after step 3")
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert compared(run_dir / "metrics.jsonl") == reference
 
 
 def test_distributed_optimizer_resumes_exactly(model_workers, make_cfg, tiny_qwen2, tmp_path):
