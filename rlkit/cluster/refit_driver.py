@@ -179,22 +179,23 @@ class NcclTransfer(_ChannelTransfer):
         if channel_host == "loopback":
             _check_one_node(self.policy, self.generation, groups)
         timeout_s = self.policy.timeout_s / 2
-        # policy rank r is on bundle r (policy bundles come first)
-        rendezvous = [rendezvous_address(placement_group, group.sender) for group in groups]
-        group_of = {engine: (group, address) for group, address in zip(groups, rendezvous) for engine in group.engines}
-        joins = [ref for group, (host, port) in zip(groups, rendezvous) for ref in self.policy.submit(
-            Policy.join_refit_communicator, host, port, group.world_size, timeout_s, ranks=[group.sender])]
-        engines = [ref for engine, (group, (host, port)) in sorted(group_of.items()) for ref in self.generation.submit(
-            VLLMGenerationWorker.join_refit_communicator, host, port, group.world_size, group.first_rank(engine),
-            timeout_s, ranks=[engine])]
-        self.policy.wait(joins, "join_refit_communicator", ranks=[g.sender for g in groups])
-        self.generation.wait(engines, "join_refit_communicator", ranks=sorted(group_of))
-        addresses = {group.sender: self.policy.only([group.sender], Policy.open_refit_channel, "nccl",
-                                                    len(group.engines) * group.engine_gpus, timeout_s,
-                                                    channel_host)[0] for group in groups}
+        joins, engines = [], []
+        for group in groups:  # every side joins before any waits: the communicator forms once all are in
+            host, port = rendezvous_address(placement_group, group.sender)  # policy rank r is on bundle r
+            joins += self.policy.submit(Policy.join_refit_communicator, host, port, group.world_size, timeout_s,
+                                        ranks=[group.sender])
+            engines += [ref for engine in group.engines for ref in self.generation.submit(
+                VLLMGenerationWorker.join_refit_communicator, host, port, group.world_size, group.first_rank(engine),
+                timeout_s, ranks=[engine])]
+        self.policy.wait(joins, "join_refit_communicator", ranks=[group.sender for group in groups])
+        self.generation.wait(engines, "join_refit_communicator", ranks=[e for group in groups for e in group.engines])
+        sender_of = {}  # engine -> its policy rank's channel
+        for group in groups:
+            address, = self.policy.only([group.sender], Policy.open_refit_channel, "nccl", group.world_size - 1,
+                                        timeout_s, channel_host)
+            sender_of.update(dict.fromkeys(group.engines, address))
         self.generation.each(VLLMGenerationWorker.start_refit_receiver,
-                             [("nccl", {ANY_GPU: addresses[group_of[engine][0].sender]}, timeout_s)
-                              for engine in range(len(self.generation))])
+                             [("nccl", {ANY_GPU: sender_of[engine]}, timeout_s) for engine in range(len(self.generation))])
 
 
 class AdapterTransfer:

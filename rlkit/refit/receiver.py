@@ -89,7 +89,7 @@ class StandingReceiver:
         return {"refit/replayable_fraction": replay.replayable_fraction}
 
 
-ANY_GPU = "any"  # a senders key: the one sender of receivers on every GPU (nccl's policy rank 0)
+ANY_GPU = "any"  # a senders key: the one sender of receivers on every GPU (nccl: their group's policy rank)
 
 
 def sender_for(senders: dict[str, tuple], gpu: str, name: str) -> tuple:

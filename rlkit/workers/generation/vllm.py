@@ -45,7 +45,8 @@ class VLLMGenerationWorker(GenerationWorker):
         # in this process, the engine skips spawning and importing a second one and the handshake
         # with it: 30 s of a warm start on an H100 (docs/performance.md)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if v.engine_process else "0"
-        # an engine core process of its own takes IPC handles and plans by pickle
+        # a process of the engine's other than this one (its core, or a GPU's worker under tensor
+        # parallelism) takes IPC handles and plans by pickle
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         # the engine's process group on this node's address alone (its store: vllm_ext.py)

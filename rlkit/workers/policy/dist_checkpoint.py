@@ -4,8 +4,9 @@ A save has three parts. `start` is what holds training: megatron-core plans the 
 collective part), then every tensor it will write is copied into host buffers that are allocated
 once and reused (pinned on a GPU: one device-to-host copy at link speed; cloned on a CPU, where
 the planned tensors are the live ones). A thread then writes those copies to disk while the
-worker trains, several files side by side (file writes and hashing release the GIL). `finish` (collective, at a step boundary) finalizes once every rank's thread is
-done: the global metadata, metadata.json. Each file's SHA-256 is taken as soon as it is written,
+worker trains, several files side by side (file writes and hashing release the GIL). `finish`
+(collective, at a step boundary) finalizes once every rank's thread is done: the global
+metadata, metadata.json. Each file's SHA-256 is taken as soon as it is written,
 while the others are still being written, for the checkpoint's manifest, so completing the
 checkpoint never re-reads the shards.
 
