@@ -159,10 +159,9 @@ def test_a_channel_listens_on_the_interface_it_is_given_only():
     """refit.channel_host=node_ip: the policy rank listens on its node's address, where receivers on
     other nodes reach it (here a second loopback address stands in for a node's)."""
     server = ChannelServer(receivers=1, timeout_s=5, host="127.0.0.2")
-    host, port, _ = server.address
-    assert host == "127.0.0.2"
-    with pytest.raises(ConnectionRefusedError):  # nothing listens on the other interface
-        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    # The socket is bound to that one address, not to every interface. (Whether a connection to
+    # 127.0.0.1 is then refused depends on the kernel: some sandboxes route all of 127/8 alike.)
+    assert server._server.getsockname()[0] == server.address[0] == "127.0.0.2"
     receiver = ChannelThread(server.address, "generation worker 0", lambda channel, plan, start: {"ok": True}, None, 5)
     server.accept_receivers()
     server.begin(PLAN, verify=False)
