@@ -13,6 +13,17 @@ from rlkit.config.schema import ConfigError
 from rlkit.launch.config import RECIPES_DIR, load_config, recipe_names
 
 
+def _validation_summary(history: list[dict]) -> str:
+    """The validation metrics from the first validation to the last, for the run's closing line."""
+    validated = [m for m in history if any(k.startswith("val/") for k in m)]
+    if not validated:
+        return "no validation ran"
+    first, last = validated[0], validated[-1]
+    if first is last:
+        return ", ".join(f"{k} {v:.3f}" for k, v in first.items() if k.startswith("val/"))
+    return ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in first if k.startswith("val/") and k in last)
+
+
 def _train(args) -> int:
     cfg, resolved = load_config(args.config_name, args.overrides, Path(args.config_dir))
     if args.cfg == "job":
@@ -31,9 +42,8 @@ def _train(args) -> int:
         print(f"rlkit: stopped during a step ({e or 'SIGINT'}), without a checkpoint; rerun the same command to "
               f"continue from the last one", file=sys.stderr)
         return 128 + signal.SIGINT
-    first, last = (result.history[0], result.history[-1]) if result.history else ({}, {})
-    moved = ", ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in first if k.startswith("val/") and k in last)
-    logging.getLogger("rlkit").info("done: %s; metrics in %s", moved, result.run_dir / "metrics.jsonl")
+    logging.getLogger("rlkit").info("done: %s; metrics in %s", _validation_summary(result.history),
+                                    result.run_dir / "metrics.jsonl")
     return 0
 
 
