@@ -1,4 +1,5 @@
-"""Delta refit's pure core: a packed bucket encoded against the version sent before it.
+"""Delta refit (refit.delta): a packed bucket encoded against the version sent before it, and
+the memory each side keeps of that version (DeltaSender, DeltaReceiver).
 
 Between two refits most exported weights do not change bit for bit (a small learning rate moves
 few bf16 values by a whole unit of their last place), so a bucket can travel as the positions
@@ -13,13 +14,14 @@ still compares like with like.
 """
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
 import torch
 import torch.nn.functional as F
 
-from rlkit.refit.plan import Bucket, PackedBucket, RefitIntegrityError, bucket_checksum
+from rlkit.refit.plan import Bucket, PackedBucket, RefitIntegrityError, RefitPlan, bucket_checksum
 
 Encoding = Literal["dense", "indices", "bitmap"]
 
@@ -144,3 +146,81 @@ def _unpack_bits(bits: torch.Tensor, count: int) -> torch.Tensor:
     """The first `count` entries of the bool mask that _pack_bits made `bits` from."""
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     return ((bits.unsqueeze(1) >> shifts) & 1).view(-1)[:count].bool()
+
+
+class DeltaSender:
+    """A sender's memory for delta refit: every bucket as it sent it last, in host memory (one
+    copy of the exported model), and the encodings of the refit in progress, for its metrics."""
+
+    def __init__(self, max_size_ratio: float = 0.5):
+        self.max_size_ratio = max_size_ratio
+        self._plan: RefitPlan | None = None
+        self._sent: dict[int, torch.Tensor] = {}
+        self._encoded: list[EncodedBucket] = []
+        self._seconds = 0.0
+
+    def begin(self, plan: RefitPlan, base_held: bool) -> None:
+        """base_held: every receiver holds this sender's last version of every bucket. Without it
+        (the first refit, a new receiver, one whose delta failed) or with a new plan, the memory
+        starts anew, so every bucket of this refit goes dense."""
+        if not base_held or plan != self._plan:
+            self._sent = {}
+        self._plan, self._encoded, self._seconds = plan, [], 0.0
+
+    def encode(self, packed: PackedBucket) -> EncodedBucket:
+        """`packed` against the version of its bucket sent last, which it then replaces. Nothing may
+        write into packed.buffer afterwards: on CPU it is kept as it is, not copied."""
+        start = time.perf_counter()
+        previous = self._sent.pop(packed.index, None)
+        encoded = encode(None if previous is None else previous.to(packed.buffer.device), packed,
+                         self._plan.buckets[packed.index], self.max_size_ratio)
+        self._sent[packed.index] = packed.buffer.cpu()
+        self._encoded.append(encoded)
+        self._seconds += time.perf_counter() - start  # encode reads the count of changes: its GPU work is done
+        return encoded
+
+    def metrics(self) -> dict[str, float]:
+        """delta_metrics of this refit's buckets, and the seconds spent encoding them."""
+        return {**delta_metrics(self._encoded), "timing/refit_delta_encode": self._seconds}
+
+
+class DeltaReceiver:
+    """A receiver's memory for delta refit: every bucket as it rebuilt it last. What might not be
+    one version of the sender's is dropped, so that the next refit is dense: all of it on a new
+    plan or after a refit that did not finish or whose delta failed."""
+
+    def __init__(self):
+        self._plan: RefitPlan | None = None
+        self._held: dict[int, torch.Tensor] = {}
+        self._finished = True
+        self.failure: str | None = None  # the first bucket of this refit that did not rebuild, and why
+        self.seconds: float | None = None  # spent rebuilding this refit's buckets; None while none arrived
+
+    def begin(self, plan: RefitPlan) -> bool:
+        """Whether this receiver holds every bucket of `plan` as last sent (a delta refit can follow)."""
+        if plan != self._plan or not self._finished:
+            self._held = {}
+        self._plan, self._finished = plan, False
+        self.failure, self.seconds = None, None
+        return len(self._held) == len(plan.buckets)
+
+    def rebuild(self, encoded: EncodedBucket) -> torch.Tensor | None:
+        """The full bucket `encoded` stands for (checked against the checksum it carries), held for
+        the next refit; None once a bucket of this refit failed: the refit is redone dense, so the
+        rest need no work."""
+        if self.failure is not None:
+            return None
+        start = time.perf_counter()
+        try:
+            rebuilt = apply(self._held.pop(encoded.index, None), encoded)
+        except RefitIntegrityError as error:
+            self.failure, self._held = str(error), {}
+            return None
+        finally:
+            self.seconds = (self.seconds or 0.0) + time.perf_counter() - start
+        self._held[encoded.index] = rebuilt
+        return rebuilt
+
+    def end(self) -> None:
+        """Every bucket of the refit arrived."""
+        self._finished = True
