@@ -440,7 +440,8 @@ def _validate_rollout_transport(cfg: RootConfig) -> None:
 
 
 def _validate_delta_refit(cfg: RootConfig) -> None:
-    """refit.delta shrinks what crosses a link, which the cpu transport's object store has (and later nccl)."""
+    """refit.delta shrinks the bytes that cross a link from policy to generation: the object store's
+    (cpu) now, nccl's later; cuda_ipc crosses none."""
     r = cfg.refit
     if not r.delta:
         return

@@ -48,8 +48,8 @@ class Streaming:
 
 
 class Corrupting:
-    """A receiver that flips one value of the first delta it gets that changes anything, in each
-    of the next `times` refits (a delta damaged in transit)."""
+    """A receiver that flips one value of the first bucket that carries any, in each of the next
+    `times` refits (damaged in transit)."""
 
     def __init__(self, receiver, times: int):
         self.receiver, self.times, self.hit = receiver, times, False
@@ -59,7 +59,7 @@ class Corrupting:
         return self.receiver.begin(plan, verify_checksums)
 
     def load(self, bucket):
-        if self.times and not self.hit and bucket.changed and bucket.values.numel():
+        if self.times and not self.hit and bucket.values.numel():
             values = bucket.values.clone()
             values[0] ^= 1
             bucket, self.hit = replace(bucket, values=values), True
