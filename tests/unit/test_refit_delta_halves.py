@@ -19,7 +19,8 @@ class TinyLM(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(64, 32)
         self.hidden = torch.nn.Linear(32, 32)
-        self.router = torch.nn.Linear(32, 8)  # its bias kept float32 on the wire (refit.keep_fp32)
+        # its bias kept float32 on the wire (refit.keep_fp32), 20 bytes: its slot ends in padding
+        self.router = torch.nn.Linear(32, 5)
 
     def forward(self, ids):
         hidden = torch.tanh(self.hidden(self.embed(ids)))
@@ -147,3 +148,16 @@ def test_a_new_receiver_or_a_new_plan_gets_a_dense_refit():
                               keep_fp32=("router.bias",))
     assert {b.encoding for b in refit(sender, rebuilt, receivers)[0]} == {"dense"}
     assert_bit_identical(receivers, dense_refit())
+
+
+def test_unchanged_weights_travel_as_empty_deltas_padding_included(monkeypatch):
+    """Buckets are packed into zeroed buffers: padding left as memory happened to hold would
+    show changes at every refit."""
+    source, plan, sender, receivers, _ = setup()
+    assert any(b.nbytes > sum(s.nbytes for s in b.slots) for b in plan.buckets)
+    empty = torch.empty
+    # uninitialised memory, made to differ from refit to refit
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).random_(0, 100))
+    for _ in range(2):
+        sent, _ = refit(sender, plan, receivers)
+    assert [b.changed for b in sent] == [0] * len(plan.buckets) and sender.stats()["delta"]["refit/delta_bytes"] == 0
