@@ -5,7 +5,8 @@ generation (hand_over, reclaim).
 
 How bytes travel is the transport's business; every transport moves the same RefitPlan:
   cpu       Ray's object store: policy rank 0 streams buckets, the controller forwards each
-            bucket's reference to every generation worker (HF workers)
+            bucket's reference to every generation worker (HF workers); with refit.delta a
+            bucket travels as its changes since the refit before (rlkit/refit/delta.py)
   cuda_ipc  colocated: each policy rank packs into two slots on its GPU that the vLLM process on
             that GPU maps through CUDA IPC handles (rlkit/refit/transports/cuda_ipc.py)
   nccl      disaggregated: a policy rank broadcasts each bucket to the vLLM processes of its
@@ -33,8 +34,8 @@ from rlkit.cluster.groups import GenerationWorkers, ModelWorkers
 from rlkit.cluster.setup import engine_gpus
 from rlkit.cluster.worker_group import rendezvous_address
 from rlkit.config.schema import ConfigError, RootConfig
-from rlkit.refit.plan import RefitPlan
-from rlkit.refit.receiver import ANY_GPU
+from rlkit.refit.plan import RefitIntegrityError, RefitPlan
+from rlkit.refit.receiver import ANY_GPU, DELTA_FAILURE
 from rlkit.refit.transports.nccl import BroadcastGroup, broadcast_groups
 from rlkit.workers.generation.base import GenerationWorker
 from rlkit.workers.generation.hf import HFGenerationWorker
@@ -60,9 +61,10 @@ class RefitDriver:
             self.transfer = NcclTransfer(policy, generation, placement_group, channel_host,
                                          broadcast_groups(cfg.refit.broadcast_groups, len(policy.workers),
                                                           len(generation.workers), engine_gpus(cfg)))
+        elif cfg.refit.transport == "cuda_ipc":
+            self.transfer = CudaIpcTransfer(policy, generation, placement_group, channel_host)
         else:
-            self.transfer = {"cpu": ObjectStoreTransfer, "cuda_ipc": CudaIpcTransfer}[cfg.refit.transport](
-                policy, generation, placement_group, channel_host)
+            self.transfer = ObjectStoreTransfer(policy, generation, placement_group, channel_host, cfg.refit.delta)
 
     def push_weights(self) -> dict:
         """The policy's current weights into every generation worker; its metrics. The caller
@@ -102,27 +104,55 @@ def _throughput(nbytes: int, seconds: float) -> dict:
 def _metrics(plan: RefitPlan, seconds: float, sender: dict, received: list[dict]) -> dict:
     """_throughput, the sender's share of the time (policy rank 0's host seconds in the export and
     in packing; the rest is transport and loading), whether the sender copied parameter rows
-    directly, and the generation workers' reports of their side (each figure the lowest any of
-    them gave, e.g. the share of its load that was replayed)."""
+    directly, its delta metrics (refit.delta), and the generation workers' reports of their side:
+    of each time the highest any of them gave (the slowest worker's), of each other figure the
+    lowest (e.g. the share of its load that was replayed)."""
     return {**_throughput(plan.total_bytes, seconds),
             "refit/buckets": len(plan.buckets), "timing/refit_export_host": sender["export"],
             "timing/refit_pack_host": sender["pack"], "refit/direct_export": float(sender["direct"]),
-            **{key: min(report[key] for report in received) for key in received[0]}}
+            **sender["delta"],
+            **{key: (max if key.startswith("timing/") else min)(report[key] for report in received)
+               for key in received[0]}}
 
 
 class ObjectStoreTransfer:
     """Policy rank 0 streams buckets into Ray's object store as it exports them; the controller
     forwards each bucket's reference to every generation worker, so at most a few buckets are in
     flight and the controller never touches the bytes. Ray moves them between nodes: no channel,
-    so channel_host does not apply."""
+    so channel_host does not apply.
 
-    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group, channel_host: str):
+    With `delta` (refit.delta) the sender encodes each bucket against the version it sent last
+    and every worker rebuilds it from its own copy of that version. A refit is dense whenever a
+    worker lacks that copy: the first, a restarted worker's, a resumed run's. A delta that does
+    not rebuild its bucket (its checksum fails: lost in transit, or the two sides' copies differ)
+    costs its worker that copy, so the refit is redone at once, dense, and the run goes on; a
+    dense redo that fails too is an error."""
+
+    def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group, channel_host: str,
+                 delta: bool = False):
         self.policy, self.generation = policy.workers, generation.workers
+        self.delta = delta
 
     def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
         start = time.perf_counter()
-        self.generation.every_rank(HFGenerationWorker.begin_refit, plan, verify_checksums)
-        streams = [actor.stream_refit_buckets.options(num_returns="streaming").remote(plan, verify_checksums)
+        sender, received = self._move(plan, verify_checksums)
+        failures = _delta_failures(received)
+        if failures:
+            print(f"[refit] {failures[0]}; redoing this refit dense", flush=True)
+            sender, received = self._move(plan, verify_checksums)
+            again = _delta_failures(received)
+            if again:
+                raise RefitIntegrityError(f"{again[0]}, also when the refit was redone dense: the buckets are "
+                                          "corrupted in transit")
+        metrics = _metrics(plan, time.perf_counter() - start, sender, received)
+        return {**metrics, "refit/delta_redone": float(bool(failures))} if self.delta else metrics
+
+    def _move(self, plan: RefitPlan, verify_checksums: bool) -> tuple[dict, list[dict]]:
+        """Every bucket from policy rank 0 to every generation worker: the sender's stats and the
+        workers' reports."""
+        held = self.generation.every_rank(HFGenerationWorker.begin_refit, plan, verify_checksums)
+        streams = [actor.stream_refit_buckets.options(num_returns="streaming").remote(plan, verify_checksums,
+                                                                                      self.delta, all(held))
                    for actor in self.policy.actors]
         loads, owners = [], []
         for bucket_ref in streams[0]:
@@ -132,7 +162,12 @@ class ObjectStoreTransfer:
             self.policy.wait(list(stream), "stream_refit_buckets", ranks=[rank])
         self.generation.wait(loads, "load_bucket", ranks=owners)
         received = self.generation.every_rank(HFGenerationWorker.end_refit)
-        return _metrics(plan, time.perf_counter() - start, self.policy.every_rank(Policy.refit_stats)[0], received)
+        return self.policy.every_rank(Policy.refit_stats)[0], received
+
+
+def _delta_failures(received: list[dict]) -> list[str]:
+    """The workers' delta failures (each names the worker and the bucket), taken out of their reports."""
+    return [report.pop(DELTA_FAILURE) for report in received if DELTA_FAILURE in report]
 
 
 class _ChannelTransfer:

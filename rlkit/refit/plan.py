@@ -117,16 +117,18 @@ class RefitPlan:
 
     @torch.no_grad()  # the copies write split views of the buffer, which autograd forbids
     def pack(self, index: int, sources: dict[str, list[tuple[torch.Tensor, int]]], with_checksum: bool,
-             out: torch.Tensor | None = None) -> PackedBucket:
+             out: torch.Tensor | None = None, zero_padding: bool = False) -> PackedBucket:
         """sources: for each tensor of the bucket, (rows, first row) pieces that together make it:
         one piece (tensor, 0) for a whole exported tensor, or the row runs of a direct export
         (flat views are fine: a piece is as many rows as its elements fill). All pieces land in
         one batched copy, into `out` (a flat uint8 buffer at least the bucket's size) or a new
-        buffer."""
+        buffer, whose padding bytes are zeros with zero_padding (delta refit compares whole
+        buckets from refit to refit) and else left uninitialised (both sides checksum the same
+        bytes)."""
         bucket = self.buckets[index]
         device = next(iter(sources.values()))[0][0].device if sources else "cpu"
-        # padding bytes stay uninitialised: both sides checksum the same bytes
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device) if out is None else out[:bucket.nbytes]
+        new_buffer = torch.zeros if zero_padding else torch.empty
+        buffer = new_buffer(bucket.nbytes, dtype=torch.uint8, device=device) if out is None else out[:bucket.nbytes]
         return self.pack_copies(index, buffer, self.copies(index, sources, buffer), with_checksum)
 
     def copies(self, index: int, sources: dict[str, list[tuple[torch.Tensor, int]]],

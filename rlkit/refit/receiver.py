@@ -13,21 +13,30 @@ from typing import Callable
 import torch
 
 from rlkit.refit.channel import Channel, ChannelThread, RefitStart
+from rlkit.refit.delta import DeltaReceiver, EncodedBucket
 from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan
+
+# the key of a receiver's report that says its delta failed: the worker, the bucket and why
+DELTA_FAILURE = "delta_failure"
 
 
 class ObjectStoreReceiver:
     """Copies each bucket's tensors into `tensors` ({HF name: the model's checkpoint tensor}, see
     rlkit/models/checkpoint_names.py; tied weights once, as the exporter sends them). A plan that
     does not cover exactly these tensors, one that sends float32 into a tensor held narrower, and a
-    refit that misses a bucket are errors naming the worker."""
+    refit that misses a bucket are errors naming the worker.
+    With refit.delta buckets arrive encoded (rlkit/refit/delta.py) and are rebuilt from the copy
+    this receiver keeps of each; one that fails to rebuild is not loaded but reported by end(),
+    and the driver redoes the refit dense."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], name: str):
         self.tensors, self.name = tensors, name
         self._plan: RefitPlan | None = None
         self._pending: set[int] = set()
+        self._delta = DeltaReceiver()
 
-    def begin(self, plan: RefitPlan, verify_checksums: bool) -> None:
+    def begin(self, plan: RefitPlan, verify_checksums: bool) -> bool:
+        """Whether this receiver holds the last version of every bucket, so the refit may send deltas."""
         expected = {n: tuple(t.shape) for n, t in self.tensors.items()}
         planned = {s.name: s.shape for b in plan.buckets for s in b.slots}
         missing = sorted(set(expected) - set(planned))
@@ -45,19 +54,33 @@ class ObjectStoreReceiver:
                                       "or keep them float32 in the generation model")
         self._plan, self._verify = plan, verify_checksums
         self._pending = set(range(len(plan.buckets)))
+        return self._delta.begin(plan)
 
     @torch.no_grad()
-    def load(self, packed: PackedBucket) -> None:
-        for name, tensor in self._plan.unpack(packed, verify=self._verify):
+    def load(self, bucket: PackedBucket | EncodedBucket) -> None:
+        if isinstance(bucket, EncodedBucket):
+            rebuilt = self._delta.rebuild(bucket)  # checked against the checksum it carries
+            if rebuilt is not None:  # else end() reports the failure
+                self._copy_in(PackedBucket(bucket.index, rebuilt, None), verify=False)
+        else:
+            self._copy_in(bucket, self._verify)
+        self._pending.discard(bucket.index)
+
+    def _copy_in(self, packed: PackedBucket, verify: bool) -> None:
+        for name, tensor in self._plan.unpack(packed, verify):
             self.tensors[name].copy_(tensor)
-        self._pending.discard(packed.index)
 
     def end(self) -> dict:
-        """Fails unless every bucket of the plan arrived; the receiving side's refit metrics."""
+        """Fails unless every bucket of the plan arrived; the receiving side's refit metrics, and
+        under DELTA_FAILURE the first bucket whose delta did not rebuild."""
         if self._pending:
             raise RefitIntegrityError(f"refit incomplete on {self.name}: buckets {sorted(self._pending)} never arrived")
         self._plan = None
-        return {}
+        self._delta.end()
+        report = {} if self._delta.seconds is None else {"timing/refit_delta_apply": self._delta.seconds}
+        if self._delta.failure is not None:
+            report[DELTA_FAILURE] = f"{self.name}: {self._delta.failure}"
+        return report
 
 
 class StandingReceiver:

@@ -13,6 +13,7 @@ from typing import Iterator, Protocol
 import torch
 
 from rlkit.refit.channel import ChannelServer
+from rlkit.refit.delta import DeltaSender, EncodedBucket
 from rlkit.refit.plan import PackedBucket, RefitPlan
 
 
@@ -43,6 +44,8 @@ class RefitSender:
         self._plan = self._sources = None  # of the refit in progress (or the last one)
         # of the last refit; ranks that skip a refit's export report zeros
         self._seconds = {"export": 0.0, "pack": 0.0}
+        self._delta = DeltaSender()  # refit.delta: the buckets as last sent (empty until a delta refit)
+        self._delta_metrics: dict[str, float] = {}  # of the last refit, when it was a delta refit
 
     def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(hf_name, shape, dtype) in export order. Collective. Also settles how later refits
@@ -64,18 +67,26 @@ class RefitSender:
                   flush=True)
         return manifest
 
-    def stream_buckets(self, plan: RefitPlan, with_checksum: bool) -> Iterator[PackedBucket]:
+    def stream_buckets(self, plan: RefitPlan, with_checksum: bool, delta: bool = False,
+                       base_held: bool = False) -> Iterator[PackedBucket | EncodedBucket]:
         """Every bucket, in plan order, each yielded as soon as it is packed (the object-store
         transport). Through the bridge the export is collective: every rank iterates it, only rank
-        0 yields buckets (other ranks run it to join the collectives)."""
+        0 yields buckets (other ranks run it to join the collectives).
+        delta (refit.delta): rank 0 yields EncodedBuckets, deltas against the buckets it sent last
+        where every receiver holds them (base_held; see DeltaSender.begin), else dense."""
         if self.source.rank != 0 and self._row_export is not None:
             return
         self._begin(plan)
+        encoding = delta and self.source.rank == 0  # the ranks that yield nothing keep nothing
+        if encoding:
+            self._delta.begin(plan, base_held)
         for _ in plan.buckets:
-            packed = self._pack_next(with_checksum)
+            packed = self._pack_next(with_checksum, zero_padding=delta)
             if self.source.rank == 0:
-                yield packed
+                yield self._delta.encode(packed) if encoding else packed
         self._end()
+        if encoding:
+            self._delta_metrics = self._delta.metrics()
 
     def join_communicator(self, host: str, port: int, world_size: int, timeout_s: float):
         """nccl: this rank is rank 0 of a communicator with every generation worker."""
@@ -115,9 +126,10 @@ class RefitSender:
 
     def stats(self) -> dict:
         """Host seconds the last refit spent exporting and packing (kernels may still run after
-        them: where a refit's time goes on the sending side), and whether it copied parameter
-        rows directly (else it went through the bridge)."""
-        return {**self._seconds, "direct": self._row_export is not None}
+        them: where a refit's time goes on the sending side), whether it copied parameter rows
+        directly (else it went through the bridge), and under "delta" its delta metrics (empty
+        unless it was a delta refit: DeltaSender.metrics)."""
+        return {**self._seconds, "direct": self._row_export is not None, "delta": self._delta_metrics}
 
     # Every export: _begin, _pack_next once per bucket, _end. Through the bridge the export is
     # collective (every rank packs), buckets fill in export order, and the plan is checked
@@ -132,9 +144,12 @@ class RefitSender:
             self._pack_copies = {}  # kept copies hold for one plan and one set of parameter views
         self._plan, self._sources = plan, sources
         self._seconds = {"export": time.perf_counter() - start, "pack": 0.0}
+        self._delta_metrics = {}
 
-    def _pack_next(self, with_checksum: bool, out: torch.Tensor | None = None) -> PackedBucket:
-        """The next bucket, packed into `out` (a buffer the transport keeps) or a new buffer."""
+    def _pack_next(self, with_checksum: bool, out: torch.Tensor | None = None,
+                   zero_padding: bool = False) -> PackedBucket:
+        """The next bucket, packed into `out` (a buffer the transport keeps) or a new buffer
+        (zero_padding: see RefitPlan.pack)."""
         bucket = self._plan.buckets[self._next_bucket]
         self._next_bucket += 1
         start = time.perf_counter()
@@ -154,7 +169,7 @@ class RefitSender:
                 self._pack_copies[key] = self._plan.copies(bucket.index, sources, out[:bucket.nbytes])
             packed = self._plan.pack_copies(bucket.index, out[:bucket.nbytes], self._pack_copies[key], with_checksum)
         else:
-            packed = self._plan.pack(bucket.index, sources, with_checksum, out)
+            packed = self._plan.pack(bucket.index, sources, with_checksum, out, zero_padding)
         self._seconds["export"] += exported - start
         self._seconds["pack"] += time.perf_counter() - exported
         return packed

@@ -7,6 +7,7 @@ from rlkit.data.generation import Generations, SamplingParams
 from rlkit.models.checkpoint_names import checkpoint_tensors
 from rlkit.observability.startup import PhaseTimes
 from rlkit.models.tokenizer import load_tokenizer
+from rlkit.refit.delta import EncodedBucket
 from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan, bucket_checksum
 from rlkit.refit.receiver import ObjectStoreReceiver
 from rlkit.workers.generation.base import GenerationWorker
@@ -71,11 +72,12 @@ class HFGenerationWorker(GenerationWorker):
         return Generations([a.token_ids[0] for a in answers], [a.logprobs[0] for a in answers])
 
     # the object-store refit, one Ray call per bucket (rlkit/cluster/refit_driver.py drives it)
-    def begin_refit(self, plan: RefitPlan, verify_checksums: bool) -> None:
-        self.receiver.begin(plan, verify_checksums)
+    def begin_refit(self, plan: RefitPlan, verify_checksums: bool) -> bool:
+        """Whether this worker holds the last version of every bucket (refit.delta may send deltas)."""
+        return self.receiver.begin(plan, verify_checksums)
 
-    def load_bucket(self, packed: PackedBucket) -> None:
-        self.receiver.load(packed)
+    def load_bucket(self, bucket: PackedBucket | EncodedBucket) -> None:
+        self.receiver.load(bucket)
 
     def end_refit(self) -> dict:
         return self.receiver.end()

@@ -31,6 +31,7 @@ from rlkit.data.micro_batches import LENGTH_MASKS, micro_batches, restore_rows
 from rlkit.data.packing import packed_attention_mask
 from rlkit.observability.logprob_agreement import agreement_sums, reference_kl_sums
 from rlkit.observability.startup import PhaseTimes
+from rlkit.refit.delta import EncodedBucket
 from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.refit.sender import RefitSender, sending_half
 from rlkit.workers.policy import dist_checkpoint
@@ -491,8 +492,9 @@ class MegatronModelWorker:
     def refit_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
         return self.refit_sender.manifest()
 
-    def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool) -> Iterator[PackedBucket]:
-        yield from self.refit_sender.stream_buckets(plan, with_checksum)
+    def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool, delta: bool = False,
+                             base_held: bool = False) -> Iterator[PackedBucket | EncodedBucket]:
+        yield from self.refit_sender.stream_buckets(plan, with_checksum, delta, base_held)
 
     def join_refit_communicator(self, host: str, port: int, world_size: int, timeout_s: float):
         self.refit_sender.join_communicator(host, port, world_size, timeout_s)
