@@ -26,6 +26,7 @@ With policy.peft and refit.peft=adapter there is no plan and no transport: every
                    it loaded itself (HF peft on CPU, a vLLM LoRA adapter on GPU)
 """
 
+import logging
 import time
 
 import ray
@@ -41,6 +42,8 @@ from rlkit.workers.generation.base import GenerationWorker
 from rlkit.workers.generation.hf import HFGenerationWorker
 from rlkit.workers.generation.vllm import VLLMGenerationWorker
 from rlkit.workers.policy.megatron import MegatronModelWorker as Policy
+
+log = logging.getLogger("rlkit")
 
 
 class RefitDriver:
@@ -138,7 +141,7 @@ class ObjectStoreTransfer:
         sender, received = self._move(plan, verify_checksums)
         failures = _delta_failures(received)
         if failures:
-            print(f"[refit] {failures[0]}; redoing this refit dense", flush=True)
+            log.warning("refit: %s; redoing this refit dense", failures[0])
             sender, received = self._move(plan, verify_checksums)
             again = _delta_failures(received)
             if again:

@@ -3,6 +3,7 @@ delta that fails its checksum on one generation worker is logged in one line nam
 and the bucket, and the refit is redone dense at once, leaving every worker bit-identical to a
 dense refit; a dense redo that fails too is an error."""
 
+import logging
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -91,12 +92,13 @@ def expected(source: Trained, plan: RefitPlan) -> dict[str, torch.Tensor]:
     return {name: tensor.to(wire[name]) for name, tensor in source.hf_weights()}
 
 
-def test_a_failed_delta_is_logged_and_the_refit_redone_dense(capsys):
+def test_a_failed_delta_is_logged_and_the_refit_redone_dense(caplog):
     move, plan, source, receivers = transfer(corrupt_times=1)
-    metrics = move(plan, True)
-    logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[refit]")]
+    with caplog.at_level(logging.WARNING, logger="rlkit"):
+        metrics = move(plan, True)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refit: ")]
     assert metrics["refit/delta_redone"] == 1.0 and metrics["refit/delta_fraction"] == 1.0  # the redo: dense
-    assert len(logged) == 1 and logged[0].startswith("[refit] generation worker 0: refit: bucket ")
+    assert len(logged) == 1 and logged[0].startswith("refit: generation worker 0: refit: bucket ")
     assert "failed its checksum" in logged[0] and logged[0].endswith("; redoing this refit dense")
     assert_bit_identical(receivers, expected(source, plan))
     source.step()
