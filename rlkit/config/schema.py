@@ -174,6 +174,8 @@ class PromptDataConfig:
     chat_template: bool = MISSING
     system_prompt: Optional[str] = MISSING
     prompt_format: str = MISSING
+    # where a tool environment's tools are shown: chat_template | system_prompt (choices.TOOL_PROMPTS)
+    tool_prompt: str = MISSING
     synthetic: Optional[SyntheticSetConfig] = None
 
 

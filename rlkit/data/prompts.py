@@ -8,6 +8,7 @@ the raw text for base models and the tiny demos.
 """
 
 import functools
+import json
 import logging
 from dataclasses import dataclass
 
@@ -42,9 +43,12 @@ class PromptRenderer:
     """
 
     def __init__(self, tokenizer, chat_template: bool, system_prompt: str | None, prompt_format: str,
-                 observation_format: str, tools: list[dict] | None = None):
-        """tools: the environment's tool schemas, which the chat template shows the model."""
+                 observation_format: str, tools: list[dict] | None = None, tool_prompt: str = "chat_template"):
+        """tools: the environment's tool schemas, shown to the model by the chat template
+        (tool_prompt "chat_template") or written into the system message (tool_prompt
+        "system_prompt": templates that ignore apply_chat_template(tools=...))."""
         self.tokenizer, self.chat_template, self.tools = tokenizer, chat_template, tools
+        self.tool_prompt = tool_prompt
         self.system_prompt, self.prompt_format, self.observation_format = system_prompt, prompt_format, observation_format
         if chat_template:
             # what the template writes after an assistant message's content, found with a marker
@@ -55,7 +59,8 @@ class PromptRenderer:
     @classmethod
     def of(cls, tokenizer, data: PromptDataConfig, observation_format: str,
            tools: list[dict] | None = None) -> "PromptRenderer":
-        return cls(tokenizer, data.chat_template, data.system_prompt, data.prompt_format, observation_format, tools)
+        return cls(tokenizer, data.chat_template, data.system_prompt, data.prompt_format, observation_format, tools,
+                   data.tool_prompt)
 
     def messages(self, prompt: str | list[dict]) -> list[dict]:
         """The prompt as a conversation: the system prompt first (if any), and the last user
@@ -65,6 +70,11 @@ class PromptRenderer:
         messages[last_user]["content"] = self.prompt_format.format(prompt=messages[last_user]["content"])
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
+        if self.tools and self.tool_prompt == "system_prompt":
+            if messages[0]["role"] == "system":
+                messages[0]["content"] += "\n\n" + tools_system_text(self.tools)
+            else:
+                messages.insert(0, {"role": "system", "content": tools_system_text(self.tools)})
         return messages
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -78,11 +88,14 @@ class PromptRenderer:
         ignores apply_chat_template(tools=...)."""
         if not self.chat_template:
             return "raw prompts (data.chat_template=false) cannot show them; set data.chat_template=true"
+        if self.tool_prompt == "system_prompt":
+            return None
         probe = [{"role": "user", "content": "q"}]
         shown = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, tools=self.tools)
         if shown == self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True):
             return ("the tokenizer's chat template ignores them (it renders nothing for apply_chat_template(tools=...)); "
-                    "use a model whose template shows tools")
+                    "set data.tool_prompt=system_prompt to list them in the system message, or use a model whose "
+                    "template shows tools")
         return None
 
     def appended_ids(self, generated: list[int], messages: list[dict]) -> list[int]:
@@ -101,11 +114,21 @@ class PromptRenderer:
         return end[done:] + self._ids(rendered[len(self._base_text):])
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        shown = self.tools if self.tool_prompt == "chat_template" else None
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  tools=self.tools)
+                                                  tools=shown)
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tools_system_text(tools: list[dict]) -> str:
+    """The tools as data.tool_prompt=system_prompt lists them: one JSON schema per line, then the
+    call format the Hermes parser reads (rlkit/envs/tools/parsing.py)."""
+    schemas = "\n".join(json.dumps(t, separators=(",", ":")) for t in tools)
+    return ("You can call these tools, given as JSON schemas:\n" + schemas + "\nTo call one, write "
+            '<tool_call>{"name": "<tool>", "arguments": {<its arguments as JSON>}}</tool_call>. '
+            "Each result comes back in the next message. Answer once you have what you need.")
 
 
 def load_prompt_splits(d: PromptDataConfig, renderer: PromptRenderer) -> tuple[list[Prompt], list[Prompt]]:

@@ -7,6 +7,7 @@ import re
 
 from rlkit.envs.arithmetic import parse_integer
 from rlkit.envs.base import EnvStep
+from rlkit.envs.math_answers import MathEnv
 from rlkit.envs.tools import ToolEnvironment
 
 
@@ -69,3 +70,23 @@ class CalculatorEnv(ToolEnvironment):
     def score(self, answer: str, metadata: dict) -> EnvStep:
         correct = parse_integer(answer) == int(metadata["answer"])
         return EnvStep(reward=self.correct_reward if correct else self.wrong_reward, done=True, correct=correct)
+
+
+class MathCalculatorEnv(ToolEnvironment):
+    """Math answers checked as MathEnv checks them (the final \\boxed{} or "#### n", by
+    math-verify), with the calculator's tools for the arithmetic on the way: word problems whose
+    sums and products the model may hand to a tool instead of working them out itself."""
+
+    metadata_fields = ("answer",)
+    reference_response = staticmethod(MathEnv.reference_response)
+
+    def __init__(self, correct_reward: float = 1.0, wrong_reward: float = 0.0, format_reward: float = 0.0,
+                 tool_timeout_s: float = 5.0):
+        self.answers = MathEnv(correct_reward, wrong_reward, format_reward)
+        self.tool_timeout_s = tool_timeout_s
+
+    def tools(self):
+        return [add, subtract, multiply]
+
+    def score(self, answer: str, metadata: dict) -> EnvStep:
+        return self.answers.step([{"role": "assistant", "content": answer}], metadata)

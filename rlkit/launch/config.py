@@ -28,7 +28,7 @@ from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports
 from rlkit.bridge.adapters import check_peft
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.config.choices import BROADCAST_GROUPS, FLOWS, OFFLOAD_MODES, PEFT_MODES, TRANSPORTS
+from rlkit.config.choices import BROADCAST_GROUPS, FLOWS, OFFLOAD_MODES, PEFT_MODES, TOOL_PROMPTS, TRANSPORTS
 from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig
 from rlkit.envs.base import check_environment_config
 from rlkit.launch.preflight import check_config
@@ -349,6 +349,7 @@ def _validate_prompts(d: PromptDataConfig) -> None:
         raise ConfigError("data.system_prompt: needs data.chat_template=true (raw prompts have no system turn); "
                           "set data.system_prompt=null or data.chat_template=true")
     _positive(("data.max_prompt_tokens", d.max_prompt_tokens), *([("data.val_size", d.val_size)] if d.val_size else []))
+    _choice("data.tool_prompt", d.tool_prompt, TOOL_PROMPTS)
     if d.val_size == 0:
         raise ConfigError("data.val_size: must be >= 1 or null (all rows) (got: 0); to skip validation set "
                           "data.val_path=null")

@@ -1,6 +1,7 @@
 """Tools as plain Python: schemas from signatures, tool calls parsed from the model's text, and
 every way a call can fail answered with a tool message and counted."""
 
+import json
 import re
 import textwrap
 import threading
@@ -298,6 +299,55 @@ def test_the_prompts_show_the_environment_tools(tmp_path):
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ConfigError, match="the tokenizer's chat template ignores them"):
         load_prompts(cfg, tokenizer)
+
+
+def test_word_problems_with_a_calculator_are_scored_as_math_answers():
+    """env=math_calculator: a call gets its result as a tool message; the answer turn is checked
+    as env=math checks it (math-verify on "#### n"), with its format reward."""
+    from rlkit.envs.calculator import MathCalculatorEnv
+
+    env = MathCalculatorEnv(format_reward=0.1)
+    metadata = {"answer": "She has 12 + 30 = 42 apples.\n#### 42"}
+    called = env.step([{"role": "assistant", "content": CALL}], metadata)
+    assert not called.done and called.tool_messages[0]["content"] == "408"
+    right = env.step([{"role": "assistant", "content": "12 + 30 = 42\n#### 42"}], metadata)
+    wrong = env.step([{"role": "assistant", "content": "#### 41"}], metadata)
+    assert (right.reward, right.correct, right.done) == (1.1, True, True)
+    assert (wrong.reward, wrong.correct) == (0.1, False)
+    assert env.reference_response(metadata) == "#### 42"
+
+
+# ChatML that ignores tools= and renders a tool message under its own role, as SmolLM2's template does
+TOOLLESS_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_go_into_the_system_message_for_a_template_that_ignores_them(tmp_path):
+    """data.tool_prompt=system_prompt: rlkit writes the tools' schemas and the call format the
+    parser reads into the system message (after data.system_prompt), and tool results are
+    appended as the template renders a tool message, token in, token out."""
+    cfg, _ = load_config("grpo_tiny_cpu", ["env=calculator", "env_runner.max_turns=2", "data.chat_template=true",
+                                           "data.tool_prompt=system_prompt", "data.system_prompt=Be exact.",
+                                           "data.max_prompt_tokens=4096",  # the tiny tokenizer spells JSON out
+                                           f"run.cache_dir={tmp_path}"])
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = TOOLLESS_CHATML
+    prompt = load_prompts(cfg, tokenizer).train[0]
+    system = prompt.messages[0]
+    assert system["role"] == "system" and system["content"].startswith("Be exact.\n\nYou can call these tools")
+    for schema in environment_tools(cfg.env):
+        assert json.dumps(schema, separators=(",", ":")) in system["content"]
+    assert tokenizer.decode(prompt.token_ids).startswith("<|im_start|>system\nBe exact.\n\nYou can call")
+    # the format the system message teaches is the one the environment parses
+    call = re.search(r"<tool_call>.*</tool_call>", system["content"]).group(0)
+    assert call.startswith('<tool_call>{"name": "<tool>"') and "arguments" in call
+    renderer = prompt_renderer(cfg, tokenizer)
+    end = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    appended = renderer.appended_ids(tokenizer(CALL, add_special_tokens=False)["input_ids"] + end,
+                                     [{"role": "tool", "name": "multiply", "content": "408"}])
+    assert tokenizer.decode(appended) == "\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ConfigError, match=r"^data.tool_prompt: must be one of"):
+        load_config("grpo_tiny_cpu", ["data.tool_prompt=prompt"])
 
 
 def test_the_readme_tool_example_works():
