@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> [train_mfu.py args]    end-to-end and training-throughput benchmarks
 #     (e2e <s> smollm2 --trl: TRL's GRPOTrainer on the same workload after rlkit; trl in the wheel list: EXTRA_WHEELS)
 #   bash scripts/gpu_session.sh startup-run <s> <label> [overrides]    SmolLM2 recipe, 9 steps: start-up phases, checkpoints every 3
+#   bash scripts/gpu_session.sh recipe-run <s> <recipe> [overrides]    a SmolLM2 recipe as shipped (tools vs none: grpo_smollm2_gpu_tools, grpo_smollm2_gpu)
 #   bash scripts/gpu_session.sh e2e-verl [seconds] [e2e_verl.py args]    verl 0.9.1 on SmolLM2 from /tmp/site-verl (scripts/verl_stack.sh)
 #   bash scripts/gpu_session.sh refit-layouts <s> <size> <layout,...>    refit benchmark on layouts of several GPUs
 #   bash scripts/gpu_session.sh async <s> <k,...> [async_grpo.py args]    async GRPO: SmolLM2, disaggregated on 2 GPUs, per
@@ -50,8 +51,14 @@ startup_run() {  # startup_run <s> <label> [overrides]: the SmolLM2 recipe, 9 st
   grep "start-up\|checkpoint step_" "$OUT/startup_$2.log" | tail -8
   cp "outputs/startup_$2/metrics.jsonl" "$OUT/metrics_startup_$2.jsonl" 2>/dev/null
 }
+recipe_run() {  # recipe_run <s> <recipe> [overrides]: a SmolLM2 recipe as shipped, no checkpoints; metrics and log in $OUT
+  timeout "$1" python3 -m rlkit.cli train --config-name "$2" checkpoint.every=0 "${@:3}" > "$OUT/$2.log" 2>&1
+  grep "before training\|done:" "$OUT/$2.log" | tail -3
+  cp "outputs/$2/metrics.jsonl" "$OUT/metrics_$2.jsonl" 2>/dev/null
+}
 case "$1" in
-  startup-run) smollm2; startup_run "$2" "$3" "${@:4}" ;;  # startup-run <s> <label> [overrides]: start-up phases, background checkpoints
+  startup-run) smollm2; startup_run "$2" "$3" "${@:4}" ;;
+  recipe-run) smollm2; recipe_run "$2" "$3" "${@:4}" ;;  # recipe-run <s> <recipe> [overrides]: e.g. grpo_smollm2_gpu_tools  # startup-run <s> <label> [overrides]: start-up phases, background checkpoints
   bridge-run) smollm2; bridge_run "$2" "$3" "$3" "${@:4}" ;;  # bridge-run <s> <mbridge|megatron_bridge> [overrides]
   lora-run) smollm2; bridge_run "$2" "lora_$3" megatron_bridge "$LORA16" "refit.peft=$3" "${@:4}" ;;  # lora-run <s> <merged|adapter> [overrides]
   smollm2-gap) smollm2; gap ;;
