@@ -1,7 +1,7 @@
 """Delta refit's two halves put together on CPU, no Ray: a RefitSender streams encoded buckets
 (refit.delta) to ObjectStoreReceivers as ObjectStoreTransfer drives them, over several versions
-of a model trained in fp32 and exported in bf16 (with a tied embedding sent once and a float32
-tensor kept by refit.keep_fp32), and every receiver ends bit-identical to one fed the dense way.
+of a model trained in fp32 and exported in bf16 (with a tied embedding sent once, fused MoE expert
+weights and a float32 tensor kept by refit.keep_fp32), and every receiver ends bit-identical to one fed the dense way.
 A delta that fails to rebuild is named and costs its receiver its copy, so the next refit is
 dense; so is the first refit of a new receiver, and of a new plan."""
 
@@ -21,9 +21,13 @@ class TinyLM(torch.nn.Module):
         self.hidden = torch.nn.Linear(32, 32)
         # its bias kept float32 on the wire (refit.keep_fp32), 20 bytes: its slot ends in padding
         self.router = torch.nn.Linear(32, 5)
+        # MoE experts fused into one [experts, in, out] tensor, as HF's fused-expert models export them
+        self.experts = torch.nn.Parameter(0.02 * torch.randn(4, 32, 32))
 
     def forward(self, ids):
         hidden = torch.tanh(self.hidden(self.embed(ids)))
+        weights = torch.softmax(self.router(hidden)[..., :4], dim=-1)  # top-all routing: every expert trains
+        hidden = hidden + torch.einsum("bte,bti,eio->bto", weights, hidden, self.experts)
         logits = hidden @ self.embed.weight.T  # tied: the output layer is the embedding, exported once
         return logits + self.router(hidden).sum(dim=-1, keepdim=True)
 
