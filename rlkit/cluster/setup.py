@@ -11,7 +11,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from rlkit.cluster.groups import GenerationWorkers, ModelWorkers
 from rlkit.cluster.placement import Placement, plan_placement
 from rlkit.cluster.ray_runtime import device_kind, join_or_start_ray, stop_local_ray
-from rlkit.cluster.worker_group import WorkerGroup, bundle_gpu_ids, rendezvous_address
+from rlkit.cluster.warm_pool import WarmPool
+from rlkit.cluster.worker_group import WorkerGroup, bundle_gpu_ids, free_address, rendezvous_address
 from rlkit.config.schema import RootConfig
 from rlkit.observability.startup import StartupClock
 from rlkit.workers.generation.base import GenerationWorker as Engine
@@ -22,25 +23,33 @@ log = logging.getLogger("rlkit")
 
 @dataclass
 class RunWorkers:
-    """Every worker of a run, on one placement group."""
+    """Every worker of a run, on one placement group (or taken from a WarmPool)."""
 
     policy: ModelWorkers
     generation: GenerationWorkers | None  # None for runs without rollouts
-    placement_group: object
+    placement_group: object  # None for pooled workers
     started_cluster: bool
     placement: Placement
     device: str
     critic: ModelWorkers | None = None  # PPO: added by start_critic
+    pool: WarmPool | None = None
 
-    def shutdown(self, keep_ray_logs: bool = False):
+    def shutdown(self, failed: bool = False):
+        """failed: the run ends on an error; pooled workers are killed rather than given back, and
+        the logs of a cluster this run started are kept."""
         if self.generation is not None:
             self.generation.close()
         for group in (self.policy, self.generation, self.critic):
-            if group is not None:
+            if group is None:
+                continue
+            if self.pool is None:
                 group.workers.kill()
-        remove_placement_group(self.placement_group)
+            else:
+                self.pool.give_back(group.workers, healthy=not failed)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
         if self.started_cluster:
-            stop_local_ray(keep_ray_logs)
+            stop_local_ray(keep_ray_logs=failed)
 
 
 def engine_gpus(cfg: RootConfig) -> int:
@@ -68,9 +77,11 @@ def _generation_worker(cfg: RootConfig, model_dir: str, pg, placement: Placement
 
 
 def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
-                  with_critic: bool = False, clock: StartupClock | None = None) -> RunWorkers:
+                  with_critic: bool = False, clock: StartupClock | None = None,
+                  pool: WarmPool | None = None) -> RunWorkers:
     """Policy (and generation) workers on a new placement group; with_critic reserves room on the
-    policy's bundles for the critic that start_critic adds later. clock: where the phases' seconds go."""
+    policy's bundles for the critic that start_critic adds later. clock: where the phases' seconds go.
+    pool: take the workers from it instead (CPU, this node), no placement group."""
     clock = clock or StartupClock()
     with clock.phase("ray"):
         started = join_or_start_ray(cfg.cluster)
@@ -82,6 +93,10 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
     num_generation = cfg.generation.num_workers if with_generation else 0
     placement = plan_placement(cfg.cluster.placement, cfg.policy.num_workers, num_generation, device, with_critic,
                                engine_gpus(cfg))
+    if pool is not None:
+        if device != "CPU":
+            raise ValueError(f"a WarmPool holds CPU workers only; this node has {device}s: start the run without one")
+        return _start_groups(cfg, model_dir, None, placement, device, started, with_generation, clock, pool)
     pg = placement_group(placement.bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=cfg.cluster.call_timeout_s)
@@ -97,7 +112,8 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
         raise
 
 
-def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation, clock) -> RunWorkers:
+def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation, clock,
+                  pool: WarmPool | None = None) -> RunWorkers:
     c = cfg.cluster
     # Generation first: vLLM sizes its KV cache from the free memory it measures at start-up,
     # which a policy allocating on the same GPU at the same time would falsify.
@@ -107,19 +123,23 @@ def _start_groups(cfg, model_dir, pg, placement, device, started, with_generatio
     if with_generation:
         generation_cls, generation_args = _generation_worker(cfg, model_dir, pg, placement, device)
         with clock.phase("generation_workers"):
-            generation = GenerationWorkers(WorkerGroup.start("generation", generation_cls, pg,
-                                                             placement.generation_bundles, placement.share, device,
-                                                             generation_args, c.call_timeout_s))
-            policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
+            if pool is None:
+                generation = GenerationWorkers(WorkerGroup.start("generation", generation_cls, pg,
+                                                                 placement.generation_bundles, placement.share,
+                                                                 device, generation_args, c.call_timeout_s))
+            else:
+                generation = GenerationWorkers(pool.take("generation", generation_cls, "", generation_args,
+                                                         len(placement.generation_bundles), c.call_timeout_s))
+            policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, "lm", pool)
             generation.sleep()  # also waits until every engine is up
         clock.add_workers("generation_workers", created, generation.workers.every_rank(Engine.startup_phases))
     else:
-        policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, head="lm")
+        policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, "lm", pool)
     with clock.phase("policy_workers"):
         _set_up(policy, pg, placement)
     clock.add_workers("policy_workers", created, policy.every_rank(Model.startup_phases))
     _log_nodes(policy, generation.workers if generation else None)
-    return RunWorkers(ModelWorkers(policy), generation, pg, started, placement, device)
+    return RunWorkers(ModelWorkers(policy), generation, pg, started, placement, device, pool=pool)
 
 
 def _log_nodes(policy: WorkerGroup, generation: WorkerGroup | None) -> None:
@@ -133,7 +153,7 @@ def start_critic(cfg: RootConfig, workers: RunWorkers, model_dir: str) -> ModelW
     """PPO's critic: the policy's layout and optimizer settings (learning rate algorithm.critic.lr),
     a value head on the trunk of the checkpoint at model_dir, on the policy's bundles."""
     critic = _megatron_group("critic", cfg, critic_config(cfg), model_dir, workers.placement_group, workers.placement,
-                             workers.device, head="value")
+                             workers.device, "value", workers.pool)
     _set_up(critic, workers.placement_group, workers.placement)
     workers.critic = ModelWorkers(critic)
     return workers.critic
@@ -145,10 +165,14 @@ def critic_config(cfg: RootConfig):
 
 
 def _megatron_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, placement, device: str,
-                    head: str) -> WorkerGroup:
-    """The model's worker processes, started and importing; _set_up builds them."""
-    return WorkerGroup.start(role, Model, pg, placement.policy_bundles, placement.share, device,
-                             model_worker_args(cfg, model_cfg, model_dir, head), cfg.cluster.call_timeout_s)
+                    head: str, pool: WarmPool | None) -> WorkerGroup:
+    """The model's worker processes, started and importing (or reset, from the pool); _set_up builds them."""
+    args = model_worker_args(cfg, model_cfg, model_dir, head)
+    if pool is not None:
+        # each bridge's processes keep their own imports
+        return pool.take(role, Model, model_cfg.bridge, args, len(placement.policy_bundles), cfg.cluster.call_timeout_s)
+    return WorkerGroup.start(role, Model, pg, placement.policy_bundles, placement.share, device, args,
+                             cfg.cluster.call_timeout_s)
 
 
 def model_worker_args(cfg: RootConfig, model_cfg, model_dir: str, head: str) -> Callable[[int], dict]:
@@ -162,5 +186,6 @@ def model_worker_args(cfg: RootConfig, model_cfg, model_dir: str, head: str) -> 
 def _set_up(group: WorkerGroup, pg, placement: Placement) -> None:
     """A model's ranks join one process group (a port free now, on the first rank's node), build
     the model and load its weights."""
-    master_addr, master_port = rendezvous_address(pg, placement.policy_bundles[0])
+    # pooled workers (no placement group) are on this process's node
+    master_addr, master_port = free_address() if pg is None else rendezvous_address(pg, placement.policy_bundles[0])
     group.every_rank(Model.setup, master_addr, master_port)

@@ -14,6 +14,7 @@ from rlkit.algorithms.registry import load_algorithm
 from rlkit.algorithms.warm_start import cached_warm_start, warm_start_dir
 from rlkit.checkpoint import CheckpointManager
 from rlkit.cluster.setup import start_workers
+from rlkit.cluster.warm_pool import WarmPool
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.batch import rollout_batch
 from rlkit.data.generation import SamplingParams
@@ -32,9 +33,11 @@ from rlkit.workers.policy.adapter_base import check_base, recorded_base
 log = logging.getLogger("rlkit")
 
 
-def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = None) -> RunResult:
+def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = None,
+          pool: WarmPool | None = None) -> RunResult:
     """Train cfg.algorithm.name; returns the run's metrics history and folder. clock: where the
-    start-up's phases are timed (default: from this call)."""
+    start-up's phases are timed (default: from this call). pool: worker processes kept between the
+    runs of this process (CPU), instead of new ones."""
     clock = clock or StartupClock()
     algorithm = load_algorithm(cfg.algorithm.name)
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
@@ -68,19 +71,20 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
         # tunes every weight, on workers of its own, and the adapters train on top of its result
         full_tuning = replace(cfg, policy=replace(cfg.policy, peft=None))
         with clock.phase("warm_start"):
-            warm_workers = start_workers(full_tuning, str(start_dir), with_generation=False, with_critic=False)
+            warm_workers = start_workers(full_tuning, str(start_dir), with_generation=False, with_critic=False,
+                                         pool=pool)
             try:
                 with stop_on_signals(cfg.checkpoint.interrupt_grace_s) as stop_requested:
                     _warm_start(full_tuning, algorithm, warm_workers.policy, tokenizer, data, warm_dir, stop_requested)
             finally:
-                warm_workers.shutdown(keep_ray_logs=_failing())
+                warm_workers.shutdown(failed=_failing())
         start_dir, warm_dir = warm_dir, None
     if resume_from is not None:
         check_base(resume_from / "policy", str(start_dir), cfg.policy.peft is not None, "checkpoint.resume")
     elif cfg.policy.peft is not None and cfg.policy.peft.init_from is not None:
         check_base(Path(cfg.policy.peft.init_from) / "policy", str(start_dir), True, "policy.peft.init_from")
     workers = start_workers(cfg, str(start_dir), with_generation=algorithm.rollouts, with_critic=algorithm.critic,
-                            clock=clock)
+                            clock=clock, pool=pool)
     logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state_step)
     trainer = None
     try:
@@ -97,7 +101,7 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
         if trainer is not None:
             trainer.close()
         logger.close()
-        workers.shutdown(keep_ray_logs=_failing())
+        workers.shutdown(failed=_failing())
 
 
 def _warm_start(cfg: RootConfig, algorithm, policy, tokenizer, data, warm_dir: Path, stop_requested) -> None:
@@ -129,7 +133,7 @@ def verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
         metrics["refit/tokens_compared"] = int(rollout["response_mask"].sum())
         return metrics
     finally:
-        workers.shutdown(keep_ray_logs=_failing())
+        workers.shutdown(failed=_failing())
 
 
 def check_expert_layout(cfg: RootConfig, saved: DictConfig, checkpoint_dir: Path) -> None:
@@ -165,7 +169,7 @@ def export_hf(checkpoint_dir: Path, out_dir: Path, merged: bool = False) -> Path
         else:
             workers.policy.save_peft_adapter(str(out_dir))
     finally:
-        workers.shutdown(keep_ray_logs=_failing())
+        workers.shutdown(failed=_failing())
     return out_dir
 
 

@@ -1,6 +1,6 @@
 """A local Ray cluster for the whole integration session (loopback, no dashboard), configs that
-point at a session-private cache of tiny models, and Megatron workers that tests set up again
-for each model and layout."""
+point at a session-private cache of tiny models, and a pool of worker processes that tests and
+their runs set up again for each model and layout."""
 
 import time
 
@@ -10,7 +10,8 @@ import ray
 from rlkit.cluster.groups import ModelWorkers
 from rlkit.cluster.ray_runtime import join_or_start_ray
 from rlkit.cluster.setup import critic_config, model_worker_args
-from rlkit.cluster.worker_group import WorkerGroup, free_address
+from rlkit.cluster.warm_pool import WarmPool
+from rlkit.cluster.worker_group import free_address
 from rlkit.launch.config import load_config
 from rlkit.models.pretrained import smollm2_135m_instruct
 from rlkit.models.resolve import resolve_model_dir
@@ -58,40 +59,42 @@ def smollm2(tmp_path_factory):
     return model_dir
 
 
-class ModelWorkerPool:
-    """Megatron worker processes kept for the session: each start() sets them up again (reset:
-    another model, layout or rank) instead of starting new ones, so a worker's process start and
-    imports (about 8 s of CPU) are paid once, not once per test. Each policy.bridge has processes
-    of its own (its backend's imports stay apart). They request no CPU and sit in no placement
-    group: idle, they leave the cluster's CPUs to the runs that tests start beside them. They have
-    names, which a run's workers have not."""
-
-    def __init__(self):
-        self.actors: dict[str, list] = {}
-
-    def start(self, cfg, model_dir, head: str = "lm") -> ModelWorkers:
-        """cfg's policy (head "lm") or critic (head "value") on model_dir's weights, set up. What an
-        earlier start() returned is gone then: its processes hold this model now."""
-        model_cfg = cfg.policy if head == "lm" else critic_config(cfg)
-        args = model_worker_args(cfg, model_cfg, str(model_dir), head)
-        actors = self.actors.setdefault(model_cfg.bridge, [])
-        resets = [actor.reset.remote(args(rank)) for rank, actor in enumerate(actors[:model_cfg.num_workers])]
-        actors += [ray.remote(Model).options(num_cpus=0, name=f"pooled-{model_cfg.bridge}-{rank}").remote(**args(rank))
-                   for rank in range(len(actors), model_cfg.num_workers)]
-        group = WorkerGroup("policy" if head == "lm" else "critic", actors[:model_cfg.num_workers],
-                            cfg.cluster.call_timeout_s)
-        group.wait(resets, "reset")
-        group.every_rank(Model.setup, *free_address())  # the session's one node is this process's
-        return ModelWorkers(group)
-
-    def shutdown(self):
-        for actors in self.actors.values():
-            for actor in actors:
-                ray.kill(actor)
-
-
 @pytest.fixture(scope="session")
-def model_workers(ray_cluster):
-    pool = ModelWorkerPool()
+def warm_pool(ray_cluster):
+    """Worker processes shared by the session's runs (rlkit/cluster/warm_pool.py): a test that passes
+    it to start_workers or launch.train pays a worker's process start and imports (5-15 s of CPU)
+    only where the pool has no idle worker of that kind."""
+    pool = WarmPool()
     yield pool
     pool.shutdown()
+
+
+class ModelWorkerPool:
+    """Megatron workers of some model and layout, from the session's pool: each start() gives back
+    what the previous one took and sets workers up again (reset), so what an earlier start()
+    returned is gone then."""
+
+    def __init__(self, pool: WarmPool):
+        self.pool, self.taken = pool, None
+
+    def start(self, cfg, model_dir, head: str = "lm") -> ModelWorkers:
+        """cfg's policy (head "lm") or critic (head "value") on model_dir's weights, set up."""
+        model_cfg = cfg.policy if head == "lm" else critic_config(cfg)
+        self.release()
+        self.taken = self.pool.take("policy" if head == "lm" else "critic", Model, model_cfg.bridge,
+                                    model_worker_args(cfg, model_cfg, str(model_dir), head), model_cfg.num_workers,
+                                    cfg.cluster.call_timeout_s)
+        self.taken.every_rank(Model.setup, *free_address())  # the session's one node is this process's
+        return ModelWorkers(self.taken)
+
+    def release(self):
+        if self.taken is not None:
+            self.pool.give_back(self.taken)
+            self.taken = None
+
+
+@pytest.fixture(scope="module")
+def model_workers(warm_pool):
+    holder = ModelWorkerPool(warm_pool)
+    yield holder
+    holder.release()

@@ -18,13 +18,13 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def train(ray_cluster, cache_dir, tmp_path_factory):
+def train(warm_pool, cache_dir, tmp_path_factory):
     outputs = tmp_path_factory.mktemp("algorithm_runs")
 
     def train_recipe(recipe: str, *overrides: str) -> RunResult:
         cfg, resolved = load_config(recipe, [f"run.cache_dir={cache_dir}", f"run.output_dir={outputs}",
                                              "checkpoint.every=0", *overrides])
-        return launch.train(cfg, resolved)
+        return launch.train(cfg, resolved, pool=warm_pool)
 
     return train_recipe
 

@@ -33,11 +33,11 @@ def flow(request):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, tmp_path_factory, cache_dir, flow):
+def uninterrupted(warm_pool, tmp_path_factory, cache_dir, flow):
     out = tmp_path_factory.mktemp("async_uninterrupted")
     cfg, resolved = load_config("grpo_tiny_cpu", [*ASYNC, f"env_runner.flow={flow}", f"run.output_dir={out}",
                                                   f"run.cache_dir={cache_dir}"])
-    train(cfg, resolved)
+    train(cfg, resolved, pool=warm_pool)
     return out / "grpo_async"
 
 

@@ -45,12 +45,12 @@ def train_command(out_dir, cache_dir, *extra, recipe="grpo_tiny_cpu", run=tuple(
 
 
 @pytest.fixture(scope="module")
-def reference_run(ray_cluster, tmp_path_factory, cache_dir):
+def reference_run(warm_pool, tmp_path_factory, cache_dir):
     """The same run uninterrupted, in this process on the session's cluster (the numbers do not
     depend on which cluster runs it)."""
     out = tmp_path_factory.mktemp("uninterrupted")
     cfg, resolved = load_config("grpo_tiny_cpu", [*RUN, f"run.output_dir={out}", f"run.cache_dir={cache_dir}"])
-    train(cfg, resolved)
+    train(cfg, resolved, pool=warm_pool)
     return compared(out / "grpo_tiny_cpu" / "metrics.jsonl")
 
 
@@ -123,7 +123,7 @@ def test_dist_checkpoint_loads_into_another_tensor_parallel_size(model_workers, 
     assert (saved["tp1"] - saved["tp2"]).abs().max().item() < 1e-5
 
 
-def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpoints(ray_cluster, tmp_path_factory,
+def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpoints(warm_pool, tmp_path_factory,
                                                                                      cache_dir):
     """grpo_tiny_lora_cpu killed after step 3 and started again ends with exactly the metrics of the
     same run uninterrupted: its checkpoints hold the adapters and their optimizer state, and the base
@@ -135,7 +135,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     uninterrupted, killed = tmp_path_factory.mktemp("lora_uninterrupted"), tmp_path_factory.mktemp("lora_killed")
     cfg, resolved = load_config("grpo_tiny_lora_cpu", [*RUN, f"run.output_dir={uninterrupted}",
                                                        f"run.cache_dir={cache_dir}"])
-    train(cfg, resolved)
+    train(cfg, resolved, pool=warm_pool)
     reference = compared(uninterrupted / "grpo_tiny_lora_cpu" / "metrics.jsonl")
     assert all(reference[step]["train/grad_norm"] > 0 for step in range(1, 7))
     run_dir = killed / "grpo_tiny_lora_cpu"
@@ -172,14 +172,14 @@ TOOLS_RUN = ("algorithm.num_steps=4", "checkpoint.every=2", "algorithm.val_every
              "policy.train_global_batch_size=16", "policy.micro_batch_size=8", "algorithm.warm_start.sft_steps=60")
 
 
-def test_a_tool_run_killed_with_sigkill_resumes_exactly(ray_cluster, tmp_path_factory, cache_dir):
+def test_a_tool_run_killed_with_sigkill_resumes_exactly(warm_pool, tmp_path_factory, cache_dir):
     """grpo_tiny_cpu_tools (tool calls parsed and run, their results appended as tool messages)
     killed after step 3 and started again ends with exactly the metrics of the same run
     uninterrupted, the tool-call counts and rewards included."""
     uninterrupted, killed = tmp_path_factory.mktemp("tools_uninterrupted"), tmp_path_factory.mktemp("tools_killed")
     cfg, resolved = load_config("grpo_tiny_cpu_tools", [*TOOLS_RUN, f"run.output_dir={uninterrupted}",
                                                         f"run.cache_dir={cache_dir}"])
-    train(cfg, resolved)
+    train(cfg, resolved, pool=warm_pool)
     reference = compared(uninterrupted / "grpo_tiny_cpu_tools" / "metrics.jsonl")
     assert all(reference[step]["tools/calls"] > 0 for step in range(1, 5))  # the warm start taught the call
     run_dir = killed / "grpo_tiny_cpu_tools"
@@ -216,12 +216,12 @@ def test_distributed_optimizer_resumes_exactly(model_workers, make_cfg, tiny_qwe
 
 
 @pytest.mark.parametrize("save_format", ["dist", "hf"])
-def test_convert_exports_hf_weights(ray_cluster, make_cfg, tmp_path, save_format):
+def test_convert_exports_hf_weights(warm_pool, make_cfg, tmp_path, save_format):
     """`rlkit convert`'s export (the command itself runs in the LoRA test above) from either format."""
     cfg, resolved = make_cfg("algorithm.num_steps=1", "algorithm.prompts_per_step=8",
                              "policy.train_global_batch_size=64", f"checkpoint.save_format={save_format}",
                              f"run.output_dir={tmp_path}")
-    train(cfg, resolved)
+    train(cfg, resolved, pool=warm_pool)
     checkpoint = tmp_path / "grpo_tiny_cpu" / "checkpoints" / "step_000001"
     out = export_hf(checkpoint, tmp_path / "exported")
     model = AutoModelForCausalLM.from_pretrained(out)

@@ -12,7 +12,7 @@ from rlkit.launch.run import train
 pytestmark = pytest.mark.integration
 
 
-def test_grpo_refits_with_deltas_bit_identical_to_the_policy(ray_cluster, make_cfg, monkeypatch):
+def test_grpo_refits_with_deltas_bit_identical_to_the_policy(warm_pool, make_cfg, monkeypatch):
     push_weights, compared = RefitDriver.push_weights, []
 
     def push_then_compare(driver: RefitDriver) -> dict:
@@ -33,7 +33,7 @@ def test_grpo_refits_with_deltas_bit_identical_to_the_policy(ray_cluster, make_c
                              "algorithm.num_steps=3", "algorithm.prompts_per_step=8",
                              "policy.train_global_batch_size=64", "algorithm.val_before_training=false",
                              "algorithm.val_every=100", "run.name=grpo_delta_refit")
-    history = train(cfg, resolved).history
+    history = train(cfg, resolved, pool=warm_pool).history
     # a refit before each step's rollout, and one for the validation after the last step
     assert len(history) == 3 and len(compared) == 4
     assert all("refit/delta_fraction" in metrics for metrics in history)

@@ -136,10 +136,10 @@ MULTI_TURN = ["env=guess_sum", "env_runner.max_turns=3", "generation.num_workers
 
 
 @pytest.fixture(scope="module")
-def multi_turn_workers(ray_cluster, make_cfg, tiny_qwen2):
+def multi_turn_workers(warm_pool, make_cfg, tiny_qwen2):
     """The workers of both chat_template cases: the template is the prompt renderer's, not theirs."""
     cfg, _ = make_cfg(*MULTI_TURN)
-    workers = start_workers(cfg, str(tiny_qwen2))
+    workers = start_workers(cfg, str(tiny_qwen2), pool=warm_pool)
     yield workers
     workers.shutdown()
 
@@ -199,7 +199,7 @@ def test_readme_custom_environment_runs(tmp_path):
     assert "step   2/2 [" in result.stderr and "| reward" in result.stderr
 
 
-def test_multi_turn_grpo_improves(ray_cluster, cache_dir, tmp_path):
+def test_multi_turn_grpo_improves(warm_pool, cache_dir, tmp_path):
     """recipes/grpo_tiny_cpu_multiturn.yaml, its first 30 of 60 steps: reward rises (measured at 30
     steps: training reward 0.255 -> 0.303 over 10-step means, validation reward 0.225 -> 0.305; the
     training reward averages 5120 episodes per 10 steps, the validation 100 sampled answers)."""
@@ -209,7 +209,7 @@ def test_multi_turn_grpo_improves(ray_cluster, cache_dir, tmp_path):
     cfg, resolved = load_config("grpo_tiny_cpu_multiturn", [f"run.cache_dir={cache_dir}",
                                                             f"run.output_dir={tmp_path}", "algorithm.num_steps=30",
                                                             "algorithm.val_every=15"])
-    history = train(cfg, resolved).history
+    history = train(cfg, resolved, pool=warm_pool).history
     rewards = [m["train/reward"] for m in history[1:]]
     assert history[-1]["val/reward"] >= history[0]["val/reward"] + 0.05
     assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + 0.03

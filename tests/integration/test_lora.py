@@ -233,7 +233,7 @@ def test_the_adapter_saved_as_hf_peft_loads_in_peft_with_the_policys_logits(work
         assert (tensor - merged[name]).abs().max().item() < 1e-6, name
 
 
-def test_the_lora_recipe_warm_starts_every_weight_then_trains_adapters(ray_cluster, cache_dir, tmp_path):
+def test_the_lora_recipe_warm_starts_every_weight_then_trains_adapters(warm_pool, cache_dir, tmp_path):
     """grpo_tiny_lora_cpu from a random model: adapters alone on it learn too little to answer
     (after 150 SFT steps of adapters only, reward 0), so the warm start tunes every weight on
     workers of its own; the adapters then start from an answering model and train."""
@@ -245,7 +245,7 @@ def test_the_lora_recipe_warm_starts_every_weight_then_trains_adapters(ray_clust
         "checkpoint.every=0", "algorithm.prompts_per_step=16", "policy.train_global_batch_size=128",
         # a warm start of its own (the key covers sft_steps): this run trains it
         "algorithm.warm_start.sft_steps=61"])
-    history = train(cfg, resolved).history
+    history = train(cfg, resolved, pool=warm_pool).history
     assert history[0]["val/reward"] > 0.02  # the full-tuning warm start answers
     assert all(history[step]["train/grad_norm"] > 0 for step in (1, 2))  # the adapters train
     # the generation workers hold the merged adapters: the same logprobs as the policy

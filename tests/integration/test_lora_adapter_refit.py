@@ -31,7 +31,7 @@ def _parameter_bytes(model_dir, peft) -> tuple[int, int]:
     return base, sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".lora_" in name)
 
 
-def test_a_lora_run_refits_the_adapters_alone(ray_cluster, cache_dir, tmp_path):
+def test_a_lora_run_refits_the_adapters_alone(warm_pool, cache_dir, tmp_path):
     """test_lora.py's run (its cached warm start) with refit.peft=adapter."""
     from rlkit.launch.run import train
 
@@ -39,7 +39,7 @@ def test_a_lora_run_refits_the_adapters_alone(ray_cluster, cache_dir, tmp_path):
         f"run.cache_dir={cache_dir}", f"run.output_dir={tmp_path}", "algorithm.num_steps=2", "algorithm.val_every=2",
         "checkpoint.every=0", "algorithm.prompts_per_step=16", "policy.train_global_batch_size=128",
         "algorithm.warm_start.sft_steps=61", "refit.peft=adapter"])
-    history = train(cfg, resolved).history
+    history = train(cfg, resolved, pool=warm_pool).history
     base_bytes, adapter_bytes = _parameter_bytes(resolve_model_dir(cfg), cfg.policy.peft)
     assert adapter_bytes < base_bytes / 10  # what the merged refit would move instead
     # refits before step 0's validation and before step 2's rollout (step 1 generates from step 0's weights)
@@ -49,14 +49,14 @@ def test_a_lora_run_refits_the_adapters_alone(ray_cluster, cache_dir, tmp_path):
         assert history[step]["train/grad_norm"] > 0
 
 
-def test_generation_workers_hold_the_policys_adapters_bit_for_bit(ray_cluster, cache_dir, tmp_path):
+def test_generation_workers_hold_the_policys_adapters_bit_for_bit(warm_pool, cache_dir, tmp_path):
     """bf16 generation: the adapters travel in bf16 and land unchanged in both workers' HF peft
     LoRA, over the checkpoint's weights (not random ones: no base weight is ever refit)."""
     cfg, _ = load_config(RECIPE, [f"run.cache_dir={cache_dir}", f"run.output_dir={tmp_path}", "refit.peft=adapter",
                                   "generation.precision=bf16", "policy.micro_batch_size=4",
                                   "policy.optimizer.lr=1e-2"])
     model_dir = resolve_model_dir(cfg)
-    workers = start_workers(cfg, str(model_dir))
+    workers = start_workers(cfg, str(model_dir), pool=warm_pool)
     try:
         input_ids = torch.randint(0, 300, (8, 12), generator=torch.Generator().manual_seed(0))
         mask = torch.ones(input_ids.shape)

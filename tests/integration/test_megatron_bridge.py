@@ -87,7 +87,7 @@ def test_export_returns_the_checkpoint_bit_exact_in_the_refit_plan_order(bridged
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
-def test_grpo_trains_through_the_launch_path(ray_cluster, make_cfg):
+def test_grpo_trains_through_the_launch_path(warm_pool, make_cfg):
     """Three GRPO steps at DP=2 with HF generation workers and a KL reference (loaded through the
     bridge from the checkpoint directory). A random model earns no reward, so an entropy bonus
     gives the steps a gradient; the checkpoint written at the end (through the bridge's HF save)
@@ -96,7 +96,7 @@ def test_grpo_trains_through_the_launch_path(ray_cluster, make_cfg):
                              "algorithm.group_size=4", "algorithm.entropy_coef=0.01", "algorithm.kl_coef=0.01",
                              "policy.train_global_batch_size=16", "policy.micro_batch_size=4",
                              "generation.num_workers=2", "checkpoint.save_format=hf", "run.name=grpo_megatron_bridge")
-    result = train(cfg, resolved)
+    result = train(cfg, resolved, pool=warm_pool)
     assert len(result.history) == 4  # validation before training + 3 steps
     for metrics in result.history[1:]:
         assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0

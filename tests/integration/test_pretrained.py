@@ -106,11 +106,11 @@ LAYOUTS = {"tp1": (1, True), "tp3": (3, False)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def workers(request, ray_cluster, make_cfg, smollm2):
+def workers(request, warm_pool, make_cfg, smollm2):
     tp, direct = LAYOUTS[request.param]
     cfg, _ = make_cfg(f"policy.model_path={smollm2}", f"policy.num_workers={tp}", f"policy.tensor_parallel_size={tp}",
                       "policy.micro_batch_size=4", "generation.num_workers=1")
-    started = start_workers(cfg, str(smollm2))
+    started = start_workers(cfg, str(smollm2), pool=warm_pool)
     started.cfg, started.tp, started.direct_export = cfg, tp, direct
     yield started
     started.shutdown()

@@ -8,7 +8,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def test_a_grpo_step_on_word_problems(ray_cluster, make_cfg, smollm2):
+def test_a_grpo_step_on_word_problems(warm_pool, make_cfg, smollm2):
     """The pretrained model as a run's policy: chat-templated GSM8K-format prompts, math-verify
     rewards, validation before and after a GRPO step, refit into the HF worker. fp32 on CPU, so the
     sampler's and the trainer's logprobs agree to float noise. One policy rank and one generation
@@ -23,7 +23,7 @@ def test_a_grpo_step_on_word_problems(ray_cluster, make_cfg, smollm2):
                              "policy.train_global_batch_size=8", "policy.micro_batch_size=8",
                              "generation.max_new_tokens=24", "env_runner.max_total_tokens=24",
                              "run.name=smollm2_grpo")
-    history = train(cfg, resolved).history
+    history = train(cfg, resolved, pool=warm_pool).history
     assert len(history) == 2 and "val/accuracy" in history[0] and "val/accuracy" in history[1]
     metrics = history[1]
     assert all(math.isfinite(metrics[k]) for k in ["train/reward", "train/loss", "train/grad_norm"])

@@ -35,10 +35,10 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def workers(request, ray_cluster, make_cfg):
+def workers(request, warm_pool, make_cfg):
     overrides, direct = LAYOUTS[request.param]
     cfg, _ = make_cfg(*overrides, "policy.micro_batch_size=16", "generation.num_workers=2")
-    started = start_workers(cfg, str(resolve_model_dir(cfg)))
+    started = start_workers(cfg, str(resolve_model_dir(cfg)), pool=warm_pool)
     started.direct_export = direct
     yield started
     started.shutdown()
@@ -100,7 +100,7 @@ def test_missing_bucket_fails_the_refit(workers, plan):
         generation.every_rank(Engine.end_refit)
 
 
-def test_keep_fp32_expert_bias_arrives_float32_and_bit_exact_after_a_bf16_step(ray_cluster, make_cfg):
+def test_keep_fp32_expert_bias_arrives_float32_and_bit_exact_after_a_bf16_step(warm_pool, make_cfg):
     """A bf16 GLM-4-MoE policy at EP=2 trains one step and refits into bf16 HF workers with the
     run's own plan (transfer dtype bf16, refit.keep_fp32 ["*e_score_correction_bias"]): Megatron
     keeps the expert bias float32 (a buffer that Float16Module's cast would round; the router
@@ -111,7 +111,7 @@ def test_keep_fp32_expert_bias_arrives_float32_and_bit_exact_after_a_bf16_step(r
                       "policy.precision=bf16", "generation.precision=bf16", "policy.micro_batch_size=4",
                       "generation.num_workers=1")
     model_dir = resolve_model_dir(cfg)
-    workers = start_workers(cfg, str(model_dir))
+    workers = start_workers(cfg, str(model_dir), pool=warm_pool)
     try:
         input_ids = torch.randint(0, 300, (8, 12), generator=torch.Generator().manual_seed(0))
         mask = torch.ones(input_ids.shape)

@@ -25,7 +25,7 @@ TOOL_TURN = re.compile(r"(<\|im_end\|>)?\n<\|im_start\|>user\n<tool_response>\n.
                        r"<\|im_start\|>assistant\n", re.DOTALL)
 
 
-def test_tool_calls_are_answered_token_in_token_out(ray_cluster, make_cfg, tiny_qwen2):
+def test_tool_calls_are_answered_token_in_token_out(warm_pool, make_cfg, tiny_qwen2):
     cfg, _ = make_cfg("env=calculator", "data.chat_template=true", "data.synthetic.operations=[*]",
                       "data.synthetic.max_operand=99", "data.synthetic.train_size=256", "env_runner.max_turns=2",
                       # calls cut off by the budget are answered too (partial): every episode that starts
@@ -33,7 +33,7 @@ def test_tool_calls_are_answered_token_in_token_out(ray_cluster, make_cfg, tiny_
                       "env_runner.max_total_tokens=48", "generation.max_new_tokens=40", "generation.num_workers=1")
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
     data, renderer = load_prompts(cfg, tokenizer), prompt_renderer(cfg, tokenizer)
-    workers = start_workers(cfg, str(tiny_qwen2))
+    workers = start_workers(cfg, str(tiny_qwen2), pool=warm_pool)
     envs = EnvironmentPool(cfg.env, cfg.env_runner)
     try:
         example = episode_example(CalculatorEnv(), renderer, tokenizer.eos_token_id)

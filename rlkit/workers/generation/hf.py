@@ -38,6 +38,13 @@ class HFGenerationWorker(GenerationWorker):
         self.receiver = ObjectStoreReceiver(self._tensors, self.name) if adapter is None else None
         self.model = (base if adapter is None else _with_lora(base, adapter)).eval()
 
+    def reset(self, args: dict):
+        """Drop the model and take new constructor arguments (another model or rank): the process
+        and its imports stay, for a WarmPool (rlkit/cluster/warm_pool.py) to reuse."""
+        self.close()
+        self.__dict__.clear()
+        self.__init__(**args)
+
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generations:
         width = max(len(p) for p in prompt_ids)

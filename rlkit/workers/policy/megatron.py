@@ -632,8 +632,8 @@ class MegatronModelWorker:
 
     def reset(self, args: dict):
         """Leave the process group and drop the model, then take new constructor arguments (another
-        model, layout or rank) for the next setup(). The process and its imports stay: the tests
-        reuse started workers this way, where a run starts its own."""
+        model, layout or rank) for the next setup(). The process and its imports stay, for a
+        WarmPool (rlkit/cluster/warm_pool.py) to reuse."""
         if dist.is_initialized():
             assert not self.background_save.pending, "a checkpoint is still being written (finish_checkpoint)"
             self.mpu.destroy_model_parallel()

@@ -1,0 +1,50 @@
+"""Worker processes kept between runs (rlkit/cluster/warm_pool.py): a run on workers that already
+ran another one gives exactly what a run on fresh workers gives, starts no process, and a run
+that fails gives back none of its workers."""
+
+import pytest
+import ray
+
+from rlkit.cluster.setup import start_workers
+from rlkit.cluster.warm_pool import WarmPool
+from rlkit.launch.run import train
+from rlkit.models.resolve import resolve_model_dir
+
+pytestmark = pytest.mark.integration
+
+SHORT_RUN = ("algorithm.num_steps=1", "algorithm.val_every=1", "algorithm.prompts_per_step=8",
+             "algorithm.group_size=4", "policy.train_global_batch_size=16", "policy.micro_batch_size=4",
+             "generation.num_workers=2", "algorithm.kl_coef=0.01")
+
+
+def without_timings(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in metrics.items() if not k.startswith("timing/")} for metrics in history]
+
+
+def test_a_run_on_reused_workers_equals_one_on_fresh_workers(ray_cluster, make_cfg):
+    fresh = train(*make_cfg(*SHORT_RUN, "run.name=fresh_workers"))
+    pool = WarmPool()
+    try:
+        # the pool's workers first run another seed and layout, then the run under test
+        train(*make_cfg(*SHORT_RUN, "run.seed=7", "cluster.placement=disaggregated", "run.name=pool_first"), pool=pool)
+        started = pool.size
+        reused = train(*make_cfg(*SHORT_RUN, "run.name=pool_second"), pool=pool)
+        assert pool.size == started == 4  # two policy ranks, two generation workers: none started for the second run
+    finally:
+        pool.shutdown()
+    assert without_timings(reused.history) == without_timings(fresh.history)
+
+
+def test_a_failed_runs_workers_are_killed_not_given_back(ray_cluster, make_cfg):
+    cfg, _ = make_cfg("policy.num_workers=1", "generation.num_workers=1")
+    pool = WarmPool()
+    try:
+        workers = start_workers(cfg, str(resolve_model_dir(cfg)), pool=pool)
+        actors = workers.policy.workers.actors + workers.generation.workers.actors
+        workers.shutdown(failed=True)
+        assert pool.size == 0
+        for actor in actors:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.startup_phases.remote(), timeout=60)
+    finally:
+        pool.shutdown()
