@@ -49,7 +49,7 @@ class RunWorkers:
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
         if self.started_cluster:
-            stop_local_ray(keep_ray_logs=failed)
+            stop_local_ray(keep_logs=failed)
 
 
 def engine_gpus(cfg: RootConfig) -> int:
