@@ -33,12 +33,19 @@ def core_attention(attention_backend: str) -> type:
     return {"sdpa": SDPAttention, "local": DotProductAttention}[attention_backend]
 
 
-def local_layer_spec(config, core_attention: type, vp_stage=None):
-    """Megatron's pure-torch decoder block spec for `config` (dense and MoE layers as the config
-    lays them out), with `core_attention` in every layer's attention."""
+def specs_take_vp_stage() -> bool:
+    """Whether this megatron-core's decoder block spec is built per virtual pipeline stage."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    kwargs = {"vp_stage": vp_stage} if "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters else {}
+    return "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
+
+
+def local_layer_spec(config, core_attention: type, vp_stage=None):
+    """Megatron's pure-torch decoder block spec for `config` (dense and MoE layers as the config
+    lays them out, those of virtual stage vp_stage), with `core_attention` in every layer's attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    kwargs = {"vp_stage": vp_stage} if specs_take_vp_stage() else {}
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, **kwargs)
     for layer in spec.layer_specs:  # built fresh by each call: nothing shared to change
         layer.submodules.self_attention.submodules.core_attention = core_attention

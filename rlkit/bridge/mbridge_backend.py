@@ -10,7 +10,8 @@ import torch
 
 from rlkit.bridge import ModelBridge
 from rlkit.bridge.common import (RL_MODEL_SETTINGS, RowExport, core_attention, head_hooks, holds_every_weight,
-                                 local_layer_spec, probe_rows, router_gemm_without_te, unwrap, without_grad)
+                                 local_layer_spec, probe_rows, router_gemm_without_te, specs_take_vp_stage, unwrap,
+                                 without_grad)
 from rlkit.config.schema import ConfigError
 
 _patched = set()
@@ -104,6 +105,8 @@ class MBridge(ModelBridge):
             # this bridge's own spec, so two models in one process may use different attention
             self._bridge._get_transformer_layer_spec = lambda vp_stage=None: local_layer_spec(
                 self._bridge.config, attention, vp_stage)
+            # which mbridge's own spec method records, and its model provider reads under virtual stages
+            self._bridge.has_vp_stage = specs_take_vp_stage()
         elif self._bridge.config.context_parallel_size > 1:
             # the worker splits rows and cuts packed masks the way rlkit/bridge/context_parallel.py attends;
             # TE's context-parallel attention takes neither, and this pairing has never run
@@ -127,7 +130,14 @@ class MBridge(ModelBridge):
         self._bridge.load_weights(chunks, str(hf_dir or self.hf_dir))
 
     def export_hf_weights(self, chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from without_grad(self._bridge.export_weights(chunks))
+        # under PP the last stage of a model with tied embeddings holds a copy of the embedding as its
+        # output layer (kept equal by Megatron), which mbridge exports under the embedding's name a
+        # second time: each name once (the stream is still run to its end, it is collective)
+        exported = set()
+        for name, tensor in without_grad(self._bridge.export_weights(chunks)):
+            if name not in exported:
+                exported.add(name)
+                yield name, tensor
 
     def export_rows(self, chunks: list) -> RowExport | None:
         if not holds_every_weight(chunks):

@@ -6,7 +6,7 @@ from typing import Callable
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlkit.cluster.worker_group import WorkerGroup
+from rlkit.cluster.worker_group import WorkerError, WorkerGroup
 
 
 class WarmPool:
@@ -18,32 +18,44 @@ class WarmPool:
     then paid once per pool instead of once per run.
 
     For CPU runs on this node: pooled workers are pinned to the driver's node, request no CPU and
-    sit in no placement group (each run's placement group would die with the run)."""
+    sit in no placement group (each run's placement group would die with the run). They have
+    names (warm-pool-...), which a run's own workers have not."""
 
     def __init__(self):
         self._idle: dict[tuple, list] = defaultdict(list)
         self._kind: dict = {}  # actor -> the key it was started under
+        self._started = 0
 
     def take(self, role: str, actor_cls: type, variant: str, make_args: Callable[[int], dict], count: int,
              timeout_s: float) -> WorkerGroup:
         """count workers of actor_cls (variant: a setting whose imports differ, e.g. the bridge), rank r
-        set up with make_args(r): idle ones reset, the rest started."""
+        set up with make_args(r): idle ones reset, the rest started. An idle worker found dead is
+        replaced by a new process."""
         key = (actor_cls.__qualname__, variant)
         idle = self._idle[key]
-        reused = [idle.pop() for _ in range(min(len(idle), count))]
-        resets = [actor.reset.remote(make_args(rank)) for rank, actor in enumerate(reused)]
+        workers = [idle.pop() for _ in range(min(len(idle), count))]
+        resets = [actor.reset.remote(make_args(rank)) for rank, actor in enumerate(workers)]
+        for rank, reset in enumerate(resets):
+            try:
+                ray.get(reset, timeout=timeout_s)
+            except ray.exceptions.RayActorError:
+                del self._kind[workers[rank]]
+                workers[rank] = None
+            except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:
+                self.give_back(WorkerGroup(role, [w for w in workers if w is not None], timeout_s), healthy=False)
+                raise WorkerError(f"{role} worker {rank} (pooled) failed in 'reset' within {timeout_s:.0f}s "
+                                  f"(cluster.call_timeout_s):\n{e}") from None
+        workers += [None] * (count - len(workers))
         on_this_node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        started = [ray.remote(actor_cls).options(num_cpus=0, scheduling_strategy=on_this_node).remote(**make_args(rank))
-                   for rank in range(len(reused), count)]
-        for actor in started:
-            self._kind[actor] = key
-        group = WorkerGroup(role, reused + started, timeout_s)
-        try:
-            group.wait(resets, "reset", ranks=list(range(len(reused))))
-        except BaseException:
-            self.give_back(group, healthy=False)
-            raise
-        return group
+        for rank, actor in enumerate(workers):
+            if actor is None:
+                # a name tells pooled workers from a run's own (in `ray list actors`, and to tests)
+                self._started += 1
+                workers[rank] = ray.remote(actor_cls).options(
+                    num_cpus=0, scheduling_strategy=on_this_node, name=f"warm-pool-{id(self):x}-{self._started}",
+                ).remote(**make_args(rank))
+                self._kind[workers[rank]] = key
+        return WorkerGroup(role, workers, timeout_s)
 
     def give_back(self, group: WorkerGroup, healthy: bool = True) -> None:
         """The group's workers become idle; those of a run that failed are killed (a worker may have

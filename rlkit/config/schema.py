@@ -64,6 +64,7 @@ class PolicyConfig:
     num_workers: int = MISSING
     tensor_parallel_size: int = MISSING
     pipeline_parallel_size: int = MISSING
+    virtual_pipeline_parallel_size: int = MISSING
     context_parallel_size: int = MISSING
     expert_parallel_size: int = MISSING
     micro_batch_size: int = MISSING

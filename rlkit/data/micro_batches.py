@@ -26,27 +26,38 @@ def row_lengths(batch: Batch) -> list[int]:
     return last.tolist()
 
 
-def plan_micro_batches(lengths: list[int], rows_per_micro_batch: int, max_tokens: int) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int], rows_per_micro_batch: int, max_tokens: int,
+                       min_count: int = 1) -> list[list[int]]:
     """Row indices of each micro-batch. max_tokens == 0: runs of rows_per_micro_batch rows in order.
     Otherwise rows longest first, each micro-batch as many as fit in max_tokens once padded to its
-    longest row (always at least one)."""
+    longest row (always at least one). Then, while there are fewer than min_count, the one of most
+    rows is halved (Megatron's interleaved schedule needs a micro-batch per pipeline rank)."""
     if not max_tokens:
-        return [list(range(i, min(i + rows_per_micro_batch, len(lengths))))
+        plan = [list(range(i, min(i + rows_per_micro_batch, len(lengths))))
                 for i in range(0, len(lengths), rows_per_micro_batch)]
-    plan, current = [], []
-    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):  # stable: ties keep row order
-        if current and (len(current) + 1) * lengths[current[0]] > max_tokens:
-            plan.append(current)
-            current = []
-        current.append(row)
-    return plan + [current] if current else plan
+    else:
+        plan, current = [], []
+        for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):  # stable: ties keep row order
+            if current and (len(current) + 1) * lengths[current[0]] > max_tokens:
+                plan.append(current)
+                current = []
+            current.append(row)
+        plan = plan + [current] if current else plan
+    if len(lengths) < min_count:
+        raise ValueError(f"{len(lengths)} rows cannot make the {min_count} micro-batches the pipeline schedule needs")
+    while len(plan) < min_count:
+        largest = max(range(len(plan)), key=lambda i: len(plan[i]))
+        rows = plan[largest]
+        plan[largest:largest + 1] = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
+    return plan
 
 
-def micro_batches(batch: Batch, rows_per_micro_batch: int, max_tokens: int) -> tuple[list[Batch], list[int]]:
+def micro_batches(batch: Batch, rows_per_micro_batch: int, max_tokens: int,
+                  min_count: int = 1) -> tuple[list[Batch], list[int]]:
     """The micro-batches of batch (plan_micro_batches), each cut to its longest row, and the row
     order they hold (row_order[i]: the batch row that comes i-th)."""
     lengths = row_lengths(batch)
-    plan = plan_micro_batches(lengths, rows_per_micro_batch, max_tokens)
+    plan = plan_micro_batches(lengths, rows_per_micro_batch, max_tokens, min_count)
     parts = []
     for rows in plan:
         width = max(lengths[r] for r in rows)

@@ -166,17 +166,19 @@ def _choice(key: str, value, choices):
 
 
 class ModelShape(NamedTuple):
-    """What the parallel layout must divide: attention heads, key/value heads, routed experts (0: dense)."""
+    """What the parallel layout must divide: attention heads, key/value heads, routed experts (0: dense),
+    transformer layers (0: config.json does not say)."""
     heads: int
     kv_heads: int
     experts: int
+    layers: int
 
 
-def _model_shape(model_path: str) -> ModelShape:
+def _model_shape(model_path: str, tiny_layers: int) -> ModelShape:
     """The model's shape from an HF checkpoint's config.json, or from the tiny:// architecture."""
     arch = parse_tiny(model_path)
     if arch:
-        return ModelShape(*TINY_HEADS, TINY_EXPERTS.get(arch, 0))
+        return ModelShape(*TINY_HEADS, TINY_EXPERTS.get(arch, 0), tiny_layers)
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         made_here = "; `rlkit pretrained smollm2-135m-instruct` makes it" if "SmolLM2" in model_path else ""
@@ -186,7 +188,8 @@ def _model_shape(model_path: str) -> ModelShape:
         hf = json.loads(config_file.read_text())
         # Qwen-MoE and DeepSeek write num_experts / n_routed_experts; Mixtral and transformers 5 num_local_experts
         experts = next((hf[key] for key in ("num_experts", "num_local_experts", "n_routed_experts") if key in hf), 0)
-        return ModelShape(hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"]), experts)
+        return ModelShape(hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"]), experts,
+                          hf.get("num_hidden_layers", 0))
     except (json.JSONDecodeError, KeyError) as e:
         raise ConfigError(f"policy.model_path: {config_file} is not a usable HF config ({type(e).__name__}: {e}); "
                           f"point policy.model_path at a complete HF checkpoint directory") from None
@@ -221,6 +224,7 @@ def validate(cfg: RootConfig) -> None:
                           f"{['tiny://' + x for x in ARCHITECTURES]}")
     _positive(("policy.num_workers", p.num_workers), ("policy.tensor_parallel_size", p.tensor_parallel_size),
               ("policy.pipeline_parallel_size", p.pipeline_parallel_size),
+              ("policy.virtual_pipeline_parallel_size", p.virtual_pipeline_parallel_size),
               ("policy.context_parallel_size", p.context_parallel_size),
               ("policy.expert_parallel_size", p.expert_parallel_size),
               ("policy.micro_batch_size", p.micro_batch_size),
@@ -249,12 +253,13 @@ def validate(cfg: RootConfig) -> None:
                           f"policy.micro_batch_size ({p.micro_batch_size}) = {dp * p.micro_batch_size} "
                           f"(got: {p.train_global_batch_size}); set it to a multiple of {dp * p.micro_batch_size}")
     algorithm.validate(cfg, dp)
-    shape = _model_shape(p.model_path)
+    shape = _model_shape(p.model_path, p.tiny_model.num_layers)
     for name, count in [("attention heads", shape.heads), ("key/value heads", shape.kv_heads)]:
         if count % p.tensor_parallel_size:
             raise ConfigError(f"policy.tensor_parallel_size: must divide the model's {count} {name} "
                               f"(got: {p.tensor_parallel_size}); pick a divisor of {count}")
     _validate_expert_parallel(p, dp, shape.experts)
+    _validate_virtual_pipeline(p, shape.layers, dp)
     _validate_context_parallel(p, shape.experts)
     _validate_bridge(p)
     check_peft(p.peft, p.bridge)
@@ -304,6 +309,37 @@ def _validate_expert_parallel(p: PolicyConfig, dp: int, experts: int) -> None:
         raise ConfigError(f"policy.expert_parallel_size: must divide the data-parallel size policy.num_workers / "
                           f"(TP x PP) = {dp} (got: {ep}); set policy.num_workers to a multiple of "
                           f"TP x PP x EP = {p.tensor_parallel_size * p.pipeline_parallel_size * ep}")
+
+
+def _validate_virtual_pipeline(p: PolicyConfig, layers: int, dp: int) -> None:
+    """Virtual pipeline stages: each pipeline rank holds policy.virtual_pipeline_parallel_size chunks
+    of equal depth, run by Megatron's interleaved schedule, which needs a micro-batch per pipeline
+    rank. Built and converted by mbridge."""
+    vpp = p.virtual_pipeline_parallel_size
+    if vpp == 1:
+        return
+    key = "policy.virtual_pipeline_parallel_size"
+    if p.pipeline_parallel_size == 1:
+        raise ConfigError(f"{key}: virtual stages interleave pipeline ranks, and policy.pipeline_parallel_size is 1 "
+                          f"(got: {vpp}); set policy.pipeline_parallel_size > 1, or this to 1")
+    stages = p.pipeline_parallel_size * vpp
+    if not layers:
+        raise ConfigError(f"{key}: {p.model_path}/config.json gives no num_hidden_layers to split into {stages} chunks; "
+                          f"point policy.model_path at a complete HF checkpoint, or set {key}=1")
+    if layers % stages:
+        fitting = [v for v in range(1, layers + 1) if layers % (p.pipeline_parallel_size * v) == 0]
+        raise ConfigError(f"{key}: the model's {layers} layers must split evenly into policy.pipeline_parallel_size x "
+                          f"{key} = {stages} chunks (got: {vpp}); at policy.pipeline_parallel_size="
+                          f"{p.pipeline_parallel_size} pick one of {fitting}")
+    if p.bridge != "mbridge":
+        # Megatron-Bridge (and with it policy.peft) has not been run with virtual stages here
+        raise ConfigError(f"{key}: virtual stages are built and converted through mbridge (got: policy.bridge="
+                          f"{p.bridge}); set policy.bridge=mbridge, or {key}=1")
+    if p.train_global_batch_size // dp < p.pipeline_parallel_size:
+        raise ConfigError(f"policy.train_global_batch_size: with {key}={vpp} each of the {dp} data-parallel ranks "
+                          f"needs at least policy.pipeline_parallel_size={p.pipeline_parallel_size} rows per step, one "
+                          f"per micro-batch (got: {p.train_global_batch_size}); set it to at least "
+                          f"{dp * p.pipeline_parallel_size}")
 
 
 def _validate_bridge(p: PolicyConfig) -> None:
@@ -407,7 +443,7 @@ def _validate_engine_parallel(cfg: RootConfig) -> None:
     """A vLLM engine of several GPUs splits the model's heads as the policy's TP does."""
     tp = cfg.generation.vllm.tensor_parallel_size
     _positive(("generation.vllm.tensor_parallel_size", tp))
-    heads = _model_shape(cfg.policy.model_path).heads
+    heads = _model_shape(cfg.policy.model_path, cfg.policy.tiny_model.num_layers).heads
     if heads % tp:
         raise ConfigError(f"generation.vllm.tensor_parallel_size: must divide the model's {heads} attention heads "
                           f"(got: {tp}); pick a divisor of {heads}")

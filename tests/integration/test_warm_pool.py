@@ -1,12 +1,17 @@
 """Worker processes kept between runs (rlkit/cluster/warm_pool.py): a run on workers that already
-ran another one gives exactly what a run on fresh workers gives, starts no process, and a run
-that fails gives back none of its workers."""
+ran another one gives exactly what a run on fresh workers gives and starts no process; an idle
+worker that died is replaced by a new process; a run that fails gives back none of its workers."""
+
+import os
+import signal
 
 import pytest
 import ray
+import torch
 
 from rlkit.cluster.setup import start_workers
 from rlkit.cluster.warm_pool import WarmPool
+from rlkit.data.batch import Batch
 from rlkit.launch.run import train
 from rlkit.models.resolve import resolve_model_dir
 
@@ -35,13 +40,23 @@ def test_a_run_on_reused_workers_equals_one_on_fresh_workers(ray_cluster, make_c
     assert without_timings(reused.history) == without_timings(fresh.history)
 
 
-def test_a_failed_runs_workers_are_killed_not_given_back(ray_cluster, make_cfg):
+def test_an_idle_worker_found_dead_is_replaced_and_a_failed_runs_workers_are_killed(ray_cluster, make_cfg):
     cfg, _ = make_cfg("policy.num_workers=1", "generation.num_workers=1")
+    model_dir = str(resolve_model_dir(cfg))
     pool = WarmPool()
     try:
-        workers = start_workers(cfg, str(resolve_model_dir(cfg)), pool=pool)
-        actors = workers.policy.workers.actors + workers.generation.workers.actors
-        workers.shutdown(failed=True)
+        first = start_workers(cfg, model_dir, pool=pool)
+        policy, generation = first.policy.workers.actors[0], first.generation.workers.actors[0]
+        first.shutdown()
+        assert pool.size == 2
+        os.kill(ray._private.state.actors()[policy._actor_id.hex()]["Pid"], signal.SIGKILL)  # idle, it dies
+        second = start_workers(cfg, model_dir, pool=pool)
+        assert second.generation.workers.actors == [generation]  # reused
+        assert second.policy.workers.actors != [policy] and pool.size == 2  # a new process in the dead one's place
+        batch = Batch({"input_ids": torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(0))})
+        assert torch.isfinite(second.policy.logprobs(batch)[:, 1:]).all()
+        actors = second.policy.workers.actors + second.generation.workers.actors
+        second.shutdown(failed=True)
         assert pool.size == 0
         for actor in actors:
             with pytest.raises(ray.exceptions.RayActorError):

@@ -1,5 +1,6 @@
 """Micro-batches cut to their longest row, and a token budget that groups rows of like length."""
 
+import pytest
 import torch
 
 from rlkit.data.batch import Batch
@@ -34,6 +35,16 @@ def test_a_token_budget_groups_rows_longest_first_and_fits_each_group():
     assert sorted(r for group in plan for r in group) == list(range(len(lengths)))
     assert all(len(g) * max(lengths[r] for r in g) <= 20 for g in plan)
     assert plan_micro_batches([30, 5], 2, max_tokens=20) == [[0], [1]]  # a row over the budget goes alone
+
+
+def test_a_minimum_count_halves_the_largest_micro_batches_until_it_is_met():
+    """Megatron's interleaved schedule (virtual pipeline stages) needs a micro-batch per pipeline rank."""
+    assert plan_micro_batches([5] * 6, 8, 0, min_count=2) == [[0, 1, 2], [3, 4, 5]]
+    assert plan_micro_batches([5] * 6, 4, 0, min_count=3) == [[0, 1], [2, 3], [4, 5]]
+    assert plan_micro_batches([5, 9, 3], 8, max_tokens=100, min_count=3) == [[1], [0], [2]]
+    assert plan_micro_batches([5] * 6, 2, 0, min_count=2) == [[0, 1], [2, 3], [4, 5]]  # already enough
+    with pytest.raises(ValueError, match="3 rows cannot make the 4 micro-batches"):
+        plan_micro_batches([5, 9, 3], 8, 0, min_count=4)
 
 
 def test_micro_batches_are_cut_and_outputs_come_back_in_row_order():

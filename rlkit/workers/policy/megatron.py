@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rlkit.bridge.adapters import write_hf_peft_adapter
+from rlkit.bridge.common import unwrap
 from rlkit.checkpoint import WrittenFiles
 from rlkit.bridge.context_parallel import gather_sequence, padded_length, positions_on_rank, share_of_rank
 from rlkit.config.schema import ConfigError, PolicyConfig
@@ -37,6 +38,7 @@ from rlkit.refit.sender import RefitSender, sending_half
 from rlkit.workers.policy import dist_checkpoint
 from rlkit.workers.policy.adapter_base import record_base, weights_digest
 from rlkit.workers.policy.offload import HostOffload, pinned_bandwidth
+from rlkit.workers.policy.schedule import min_micro_batches, run_schedule
 from rlkit.workers.rendezvous import init_process_group
 
 ON_GPU = torch.cuda.is_available()
@@ -97,6 +99,9 @@ class MegatronModelWorker:
                                timedelta(seconds=collective_timeout_s), node_address=ray.util.get_node_ip_address())
         mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel_size,
                                       pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+                                      virtual_pipeline_model_parallel_size=(cfg.virtual_pipeline_parallel_size
+                                                                            if cfg.virtual_pipeline_parallel_size > 1
+                                                                            else None),
                                       context_parallel_size=cfg.context_parallel_size,
                                       expert_model_parallel_size=cfg.expert_parallel_size)
         self.mpu = mpu
@@ -314,9 +319,9 @@ class MegatronModelWorker:
         (loss, outputs), the loss being the micro-batch's exact share of the global batch loss.
         Returns the outputs of each micro-batch (empty on pipeline stages that do not compute the
         loss) and the order of the rows they hold."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        parts, row_order = micro_batches(batch, self.cfg.micro_batch_size, self.cfg.max_tokens_per_microbatch)
+        pipeline_size = self.mpu.get_pipeline_model_parallel_world_size()
+        parts, row_order = micro_batches(batch, self.cfg.micro_batch_size, self.cfg.max_tokens_per_microbatch,
+                                         min_micro_batches(pipeline_size, len(chunks)))
         device = torch.cuda.current_device() if ON_GPU else "cpu"
         # Megatron divides each micro-batch's loss by their number and DDP averages gradients over
         # DP: undo both, the losses being exact shares already
@@ -331,13 +336,7 @@ class MegatronModelWorker:
             output = model(*self._model_inputs(mb))
             return output, lambda out: scaled(loss_fn(out, micro_batch=mb))
 
-        # seq_length and micro_batch_size size the pipeline's messages; variable_seq_lengths (set
-        # at build when PP > 1) makes stages exchange each micro-batch's shape instead
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(parts), model=chunks, num_microbatches=len(parts),
-            seq_length=max(p["input_ids"].shape[1] for p in parts), micro_batch_size=max(len(p) for p in parts),
-            forward_only=forward_only)
-        return outputs, row_order
+        return run_schedule(chunks, parts, forward_step, pipeline_size, forward_only), row_order
 
     def _head_output(self, output: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Token-aligned [b, S]: logprobs for the policy; for the critic, position t holds the
@@ -527,11 +526,16 @@ class MegatronModelWorker:
         return adapters if self.rank == 0 else None
 
     # ---- checkpoints ---------------------------------------------------------------------
-    def _inner_model(self):
-        module = self.model[0]
-        while hasattr(module, "module"):  # DDP, Float16Module
-            module = module.module
-        return module
+    def _model_state(self) -> dict:
+        """The model's sharded state for a distributed checkpoint: its one chunk's, or with virtual
+        pipeline stages {"model<i>": chunk i's}, as Megatron lays out several chunks."""
+        states = [self.bridge.checkpointed_state(unwrap(chunk)) for chunk in self.model]
+        return states[0] if len(states) == 1 else {f"model{i}": state for i, state in enumerate(states)}
+
+    def _load_model_state(self, loaded: dict):
+        chunks = [unwrap(chunk) for chunk in self.model]
+        for i, chunk in enumerate(chunks):
+            self.bridge.load_model_state(chunk, loaded if len(chunks) == 1 else loaded[f"model{i}"])
 
     def _optimizer_ready(self):
         self.wake()
@@ -560,7 +564,7 @@ class MegatronModelWorker:
                     "lr": self.lr}, os.path.join(ckpt_dir, "rng", f"{self.name}_rank_{self.rank}.pt"))
         parts = {}
         if save_format == "dist":
-            model_state = self.bridge.checkpointed_state(self._inner_model())
+            model_state = self._model_state()
             record = None
             if self.bridge.has_adapters and self.rank == 0:
                 self._base_digest = self._base_digest or weights_digest(self.base_dir)
@@ -589,10 +593,10 @@ class MegatronModelWorker:
         optimizer = self._optimizer_ready()
         if save_format == "dist":
             _fill_empty_optimizer_states(optimizer)
-            model_state = self.bridge.checkpointed_state(self._inner_model())
+            model_state = self._model_state()
             loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer.sharded_state_dict(
                 model_state, is_loading=True, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir)
-            self.bridge.load_model_state(self._inner_model(), loaded["model"])
+            self._load_model_state(loaded["model"])
             _load_optimizer_state(optimizer, loaded["optimizer"])
         else:
             self.bridge.load_hf_weights(self.model, os.path.join(own_dir, "hf"))
