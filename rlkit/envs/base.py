@@ -46,7 +46,7 @@ class EnvStep:
 class Environment:
     """Base class for environments. Constructor keyword arguments come from `env.*` config keys.
 
-    Besides `step`, three optional class-level declarations let a run that cannot work stop before
+    Besides `step` (and `setup`, for what is slow to load), three optional class-level declarations let a run that cannot work stop before
     any worker starts: `metadata_fields`, `check_host` and `reference_response`."""
 
     # the row fields step() reads from metadata: a prompt row without one is an error at load
@@ -70,6 +70,11 @@ class Environment:
         answer), given its prompt's messages: a warm start (algorithm.warm_start) then trains on
         whole episodes, the environment answering each turn. None: it trains on metadata["answer"]."""
         return None
+
+    def setup(self) -> None:
+        """Called once in each environment worker before its first step, outside
+        env_runner.timeout_s: load what is slow to load here (a library, a model), or a fresh
+        worker's first step may time out while it loads."""
 
     def step(self, messages: list[dict], metadata: dict) -> EnvStep:
         raise NotImplementedError

@@ -88,5 +88,9 @@ class MathCalculatorEnv(ToolEnvironment):
     def tools(self):
         return [add, subtract, multiply]
 
+    def setup(self) -> None:
+        super().setup()
+        self.answers.setup()
+
     def score(self, answer: str, metadata: dict) -> EnvStep:
         return self.answers.step([{"role": "assistant", "content": answer}], metadata)

@@ -106,6 +106,7 @@ def check(target: str, kwargs: dict, samples: list[dict] | None, timeout_s: floa
     if not timeout_s > 0:
         raise ConfigError(f"--timeout-s: must be > 0 (got: {timeout_s}); give the seconds one call may take")
     env, executor, failures = load_environment(target, kwargs), DaemonThreadExecutor(), 0
+    env.setup()
     tools = isinstance(env, ToolEnvironment)
     samples = samples or (TOOL_EXAMPLES if tools else EXAMPLES)
     for i, row in enumerate(samples):

@@ -70,6 +70,9 @@ class MathEnv(Environment):
     def __init__(self, correct_reward: float = 1.0, wrong_reward: float = 0.0, format_reward: float = 0.0):
         self.correct_reward, self.wrong_reward, self.format_reward = correct_reward, wrong_reward, format_reward
 
+    def setup(self) -> None:
+        import math_verify  # noqa: F401 - sympy's import, before the first timed check
+
     def step(self, messages: list[dict], metadata: dict) -> EnvStep:
         response = messages[-1]["content"]
         correct = answers_match(response, str(metadata["answer"]))

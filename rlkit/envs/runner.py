@@ -71,6 +71,7 @@ class EnvWorker:
 
     def __init__(self, target: str, kwargs: dict, timeout_s: float):
         self.env = load_environment(target, kwargs)
+        self.env.setup()
         self.timeout_s = timeout_s
 
     def ready(self) -> bool:

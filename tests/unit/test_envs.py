@@ -11,7 +11,7 @@ from rlkit.envs.arithmetic import ArithmeticEnv, GuessSumEnv
 from rlkit.envs.base import (EnvStep, Environment, MalformedStepError, as_env_step, check_environment_config,
                              load_environment)
 from rlkit.envs.math_answers import MathEnv, answers_match, extract_answer
-from rlkit.envs.runner import safe_step
+from rlkit.envs.runner import EnvWorker, safe_step
 
 
 def conversation(*turns: str) -> list[dict]:
@@ -172,6 +172,25 @@ def test_safe_step_records_failures(env, failure, stuck):
     assert outcome.step is None and outcome.failure == failure and executor_stuck == stuck
     if failure == "exception":
         assert "ValueError: bug in user code" in outcome.detail
+
+
+class _SlowToLoad(Environment):
+    def setup(self):
+        time.sleep(1.0)
+        self.loaded = True
+
+    def step(self, messages, metadata):
+        return EnvStep(reward=float(self.loaded), done=True)
+
+
+def test_a_worker_sets_its_environment_up_before_the_timed_steps():
+    """What is slow to load (the calculator's tool schemas import transformers, seconds on a
+    loaded machine) loads in the worker's constructor, not in its first step's timeout."""
+    worker = EnvWorker(f"{__name__}._SlowToLoad", {}, timeout_s=0.5)
+    (outcome,), stuck = worker.step_many([(conversation("q", "a"), {})])
+    assert outcome.step == EnvStep(1.0, True) and not stuck
+    calculator = EnvWorker("rlkit.envs.calculator.CalculatorEnv", {}, timeout_s=0.5).env
+    assert "_toolbox" in calculator.__dict__
 
 
 def test_env_check_command(tmp_path, capsys):

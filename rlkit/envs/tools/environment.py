@@ -39,6 +39,9 @@ class ToolEnvironment(Environment):
             self._parser = load_parser(self.parser)
         return self._toolbox
 
+    def setup(self) -> None:
+        self.toolbox  # its schemas import transformers: seconds, more on a loaded machine
+
     def tool_schemas(self) -> list[dict]:
         """What the chat template shows the model (PromptRenderer's tools)."""
         return self.toolbox.schemas
