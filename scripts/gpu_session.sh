@@ -8,6 +8,8 @@
 #     (e2e <s> smollm2 --trl: TRL's GRPOTrainer on the same workload after rlkit; trl in the wheel list: EXTRA_WHEELS)
 #   bash scripts/gpu_session.sh startup-run <s> <label> [overrides]    SmolLM2 recipe, 9 steps: start-up phases, checkpoints every 3
 #   bash scripts/gpu_session.sh recipe-run <s> <recipe> [overrides]    a SmolLM2 recipe as shipped (tools vs none: grpo_smollm2_gpu_tools, grpo_smollm2_gpu)
+#   bash scripts/gpu_session.sh delta-run <s> <steps> [overrides]    SmolLM2 recipe with HF checkpoints every step, then the
+#     delta sparsity of each step's weights against the step before (benchmarks/delta_sparsity.py --checkpoints)
 #   bash scripts/gpu_session.sh e2e-verl [seconds] [e2e_verl.py args]    verl 0.9.1 on SmolLM2 from /tmp/site-verl (scripts/verl_stack.sh)
 #   bash scripts/gpu_session.sh refit-layouts <s> <size> <layout,...>    refit benchmark on layouts of several GPUs
 #   bash scripts/gpu_session.sh async <s> <k,...> [async_grpo.py args]    async GRPO: SmolLM2, disaggregated on 2 GPUs, per
@@ -56,6 +58,15 @@ recipe_run() {  # recipe_run <s> <recipe> [overrides]: a SmolLM2 recipe as shipp
   grep "before training\|done:" "$OUT/$2.log" | tail -3
   cp "outputs/$2/metrics.jsonl" "$OUT/metrics_$2.jsonl" 2>/dev/null
 }
+delta_run() {  # delta_run <s> <steps> [overrides]: what refit.delta would send after each GRPO step of the SmolLM2 recipe
+  timeout "$1" python3 -m rlkit.cli train --config-name grpo_smollm2_gpu run.name=delta algorithm.num_steps="$2" \
+    algorithm.val_every=100 checkpoint.save_format=hf checkpoint.every=1 checkpoint.keep_last=0 "${@:3}" > "$OUT/delta_run.log" 2>&1
+  tail -2 "$OUT/delta_run.log"
+  cp outputs/delta/metrics.jsonl "$OUT/metrics_delta_run.jsonl" 2>/dev/null
+  python3 benchmarks/delta_sparsity.py --checkpoints outputs/delta/checkpoints --out "$OUT/delta_smollm2_grpo.json" \
+    > "$OUT/delta_sparsity.log" 2>&1
+  tail -3 "$OUT/delta_sparsity.log"
+}
 case "$1" in
   startup-run) smollm2; startup_run "$2" "$3" "${@:4}" ;;
   recipe-run) smollm2; recipe_run "$2" "$3" "${@:4}" ;;  # recipe-run <s> <recipe> [overrides]: e.g. grpo_smollm2_gpu_tools  # startup-run <s> <label> [overrides]: start-up phases, background checkpoints
@@ -63,6 +74,7 @@ case "$1" in
   lora-run) smollm2; bridge_run "$2" "lora_$3" megatron_bridge "$LORA16" "refit.peft=$3" "${@:4}" ;;  # lora-run <s> <merged|adapter> [overrides]
   smollm2-gap) smollm2; gap ;;
   smollm2-train) smollm2; train_smollm2 "${2:-560}" "${@:3}" ;;
+  delta-run) smollm2; delta_run "$2" "$3" "${@:4}" ;;
   e2e-verl) smollm2; e2e_verl "${2:-480}" "${@:3}" ;;
   async) smollm2; timeout "$2" python3 benchmarks/async_grpo.py --staleness "$3" --out /tmp/async_grpo.json "${@:4}" \
            2>&1 | tee -a "$OUT/async_grpo.log" | tail -4; cp /tmp/async_grpo.json "$OUT/" 2>/dev/null ;;  # 2 GPUs; async <s> <k,...>
