@@ -2,8 +2,10 @@
 
 A save has three parts. `start` is what holds training: megatron-core plans the save (the
 collective part), then every tensor it will write is copied into host buffers that are allocated
-once and reused (pinned on a GPU from the second save on: one device-to-host copy at link speed;
-cloned on a CPU, where the planned tensors are the live ones). A thread then writes those copies to disk while the
+once and reused (pinned on a GPU: one device-to-host copy at link speed; cloned on a CPU, where
+the planned tensors are the live ones). Page-locking those buffers is slow (1.0-1.3 s for
+SmolLM2's 1.9 GB), so the worker reserves them ahead (`reserve`, after its first optimizer step)
+and a thread pins them while training goes on; the first save carves its buffers out of them. A thread then writes those copies to disk while the
 worker trains, several files side by side (file writes and hashing release the GIL). `finish`
 (collective, at a step boundary) finalizes once every rank's thread is done: the global
 metadata, metadata.json. Each file's SHA-256 is taken as soon as it is written,
@@ -32,6 +34,7 @@ ON_GPU = torch.cuda.is_available()
 # files per rank and save, written side by side: two files written and hashed one after the other
 # took a 1.9 GB SmolLM2 save at 0.8-1.0 GB/s on an H100 machine's disk
 FILES_PER_RANK = 4
+_ALIGN = 64  # bytes: every staging buffer carved out of the arena starts aligned for any dtype
 
 
 class BackgroundSave:
@@ -45,6 +48,25 @@ class BackgroundSave:
         # one strategy for every save: from the third on it reuses the global save plan (the
         # model's layout does not change), and access integrity is validated at the first only
         self.strategy = None
+        self.arena: torch.Tensor | None = None  # host memory reserved ahead for staging buffers
+        self.arena_used = 0  # bytes of it handed out as staging buffers (never handed out again)
+        self._reserving: threading.Thread | None = None
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate `nbytes` of host memory for staging buffers (pinned on a GPU) in a thread,
+        off the caller's path; the first save waits for it if it has not finished."""
+        if self._reserving is not None:
+            return
+
+        def allocate():
+            self.arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=ON_GPU)
+
+        self._reserving = threading.Thread(target=allocate, name="checkpoint-reserve", daemon=True)
+        self._reserving.start()
+
+    @property
+    def reserved(self) -> bool:
+        return self._reserving is not None
 
     @property
     def pending(self) -> bool:
@@ -108,15 +130,15 @@ class BackgroundSave:
 
     def _stage(self, buckets: list) -> list:
         """The buckets with every tensor replaced by its host copy, in buffers kept for the next save."""
+        if self._reserving is not None:
+            self._reserving.join()
         staged = []
         for b, (path, key, (bytes_data, tensor_data)) in enumerate(buckets):
             copies = []
             for i, (item, tensor) in enumerate(tensor_data):
                 buffer = self.staging.get((b, i))
                 if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                    # pageable at first: page-locking a SmolLM2 save's 1.9 GB held its first save over
-                    # 1 s on an H100 machine; the writer pins the buffers for the next save (_pin)
-                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype)
+                    buffer = self._new_buffer(tensor)
                     self.staging[(b, i)] = buffer
                 buffer.copy_(tensor.detach(), non_blocking=ON_GPU)
                 copies.append((item, buffer))
@@ -124,6 +146,15 @@ class BackgroundSave:
         if ON_GPU:
             torch.cuda.current_stream().synchronize()
         return staged
+
+    def _new_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host buffer for `tensor`: carved out of the reserved arena while it has room, else
+        allocated now."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.arena is not None and self.arena_used + nbytes <= self.arena.numel():
+            start, self.arena_used = self.arena_used, -(-(self.arena_used + nbytes) // _ALIGN) * _ALIGN
+            return self.arena[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=ON_GPU)
 
     def _write(self, transforms: list, buckets: list, results: queue.Queue | None):
         from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
@@ -151,20 +182,23 @@ class BackgroundSave:
                                         sum(p.stat().st_size for p in paths), wrote - start, hashed - wrote)
             if results is not None:
                 results.put({index: outcome for index, (outcome, _, _) in enumerate(files)})
-            self._pin()
         except BaseException as e:  # reported by finish(), on every rank
             self.error = e
             if results is not None:
                 results.put(e)
 
 
-    def _pin(self):
-        """Page-locked staging buffers for the next save's device-to-host copies (link speed),
-        allocated here, off the training's path, once this save's copies are written."""
-        if ON_GPU:
-            for key, buffer in self.staging.items():
-                if not buffer.is_pinned():
-                    self.staging[key] = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+def state_bytes(modules: list, optimizer) -> int:
+    """Bytes of what a distributed checkpoint of `modules` and `optimizer` (megatron-core's, a
+    chained one included) stages: the parameters and the optimizer's tensors (main copies,
+    moments), each tensor once."""
+    tensors = [p for module in modules for p in module.parameters()]
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = wrapper.optimizer
+        tensors += [p for group in inner.param_groups for p in group["params"]]
+        tensors += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
+    unique = {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
+    return sum(nbytes for _, nbytes in unique)
 
 
 class _Count:
