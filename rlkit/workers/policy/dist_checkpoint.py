@@ -191,14 +191,14 @@ class BackgroundSave:
 def state_bytes(modules: list, optimizer) -> int:
     """Bytes of what a distributed checkpoint of `modules` and `optimizer` (megatron-core's, a
     chained one included) stages: the parameters and the optimizer's tensors (main copies,
-    moments), each tensor once."""
+    moments), each tensor once, each in a buffer carved at an aligned offset."""
     tensors = [p for module in modules for p in module.parameters()]
     for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = wrapper.optimizer
         tensors += [p for group in inner.param_groups for p in group["params"]]
         tensors += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
     unique = {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
-    return sum(nbytes for _, nbytes in unique)
+    return sum(-(-nbytes // _ALIGN) * _ALIGN for _, nbytes in unique)
 
 
 class _Count:
