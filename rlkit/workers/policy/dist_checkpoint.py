@@ -4,8 +4,11 @@ A save has three parts. `start` is what holds training: megatron-core plans the 
 collective part), then every tensor it will write is copied into host buffers that are allocated
 once and reused (pinned on a GPU: one device-to-host copy at link speed; cloned on a CPU, where
 the planned tensors are the live ones). Page-locking those buffers is slow (1.0-1.3 s for
-SmolLM2's 1.9 GB), so the worker reserves them ahead (`reserve`, after its first optimizer step)
-and a thread pins them while training goes on; the first save carves its buffers out of them. A thread then writes those copies to disk while the
+SmolLM2's 1.9 GB), so the worker reserves them ahead (`reserve`, after its first optimizer step:
+one buffer per parameter and optimizer tensor, allocated by a thread while training goes on) and
+the first save takes the buffer of each tensor's shape and dtype from them. Each buffer is its
+own allocation: the writer serializes a tensor's whole storage, so views of one shared block
+would not do. A thread then writes those copies to disk while the
 worker trains, several files side by side (file writes and hashing release the GIL). `finish`
 (collective, at a step boundary) finalizes once every rank's thread is done: the global
 metadata, metadata.json. Each file's SHA-256 is taken as soon as it is written,
@@ -34,7 +37,6 @@ ON_GPU = torch.cuda.is_available()
 # files per rank and save, written side by side: two files written and hashed one after the other
 # took a 1.9 GB SmolLM2 save at 0.8-1.0 GB/s on an H100 machine's disk
 FILES_PER_RANK = 4
-_ALIGN = 64  # bytes: every staging buffer carved out of the arena starts aligned for any dtype
 
 
 class BackgroundSave:
@@ -48,18 +50,20 @@ class BackgroundSave:
         # one strategy for every save: from the third on it reuses the global save plan (the
         # model's layout does not change), and access integrity is validated at the first only
         self.strategy = None
-        self.arena: torch.Tensor | None = None  # host memory reserved ahead for staging buffers
-        self.arena_used = 0  # bytes of it handed out as staging buffers (never handed out again)
+        # host buffers allocated ahead for the next new staging buffers, by (shape, dtype)
+        self.spare: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self._reserving: threading.Thread | None = None
 
-    def reserve(self, nbytes: int) -> None:
-        """Allocate `nbytes` of host memory for staging buffers (pinned on a GPU) in a thread,
-        off the caller's path; the first save waits for it if it has not finished."""
+    def reserve(self, tensors: list[torch.Tensor]) -> None:
+        """Allocate a host buffer (pinned on a GPU) of each tensor's shape and dtype in a thread,
+        off the caller's path; the first save waits for them if they are not all there yet."""
         if self._reserving is not None:
             return
+        specs = [(tuple(t.shape), t.dtype) for t in tensors]
 
         def allocate():
-            self.arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=ON_GPU)
+            for shape, dtype in specs:
+                self.spare.setdefault((shape, dtype), []).append(torch.empty(shape, dtype=dtype, pin_memory=ON_GPU))
 
         self._reserving = threading.Thread(target=allocate, name="checkpoint-reserve", daemon=True)
         self._reserving.start()
@@ -148,13 +152,10 @@ class BackgroundSave:
         return staged
 
     def _new_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host buffer for `tensor`: carved out of the reserved arena while it has room, else
-        allocated now."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.arena is not None and self.arena_used + nbytes <= self.arena.numel():
-            start, self.arena_used = self.arena_used, -(-(self.arena_used + nbytes) // _ALIGN) * _ALIGN
-            return self.arena[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=ON_GPU)
+        """A host buffer for `tensor`: one reserved ahead where there is one of its shape and dtype,
+        else allocated now."""
+        spare = self.spare.get((tuple(tensor.shape), tensor.dtype))
+        return spare.pop() if spare else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=ON_GPU)
 
     def _write(self, transforms: list, buckets: list, results: queue.Queue | None):
         from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
@@ -188,17 +189,18 @@ class BackgroundSave:
                 results.put(e)
 
 
-def state_bytes(modules: list, optimizer) -> int:
-    """Bytes of what a distributed checkpoint of `modules` and `optimizer` (megatron-core's, a
-    chained one included) stages: the parameters and the optimizer's tensors (main copies,
-    moments), each tensor once, each in a buffer carved at an aligned offset."""
+def state_tensors(modules: list, optimizer) -> list[torch.Tensor]:
+    """What a distributed checkpoint of `modules` and `optimizer` (megatron-core's, a chained one
+    included) stages: the parameters and the optimizer's tensors (main copies, moments), each once."""
     tensors = [p for module in modules for p in module.parameters()]
     for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = wrapper.optimizer
         tensors += [p for group in inner.param_groups for p in group["params"]]
         tensors += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
-    unique = {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
-    return sum(-(-nbytes // _ALIGN) * _ALIGN for _, nbytes in unique)
+    unique = {}
+    for t in tensors:
+        unique.setdefault((t.data_ptr(), t.numel() * t.element_size()), t)
+    return list(unique.values())
 
 
 class _Count:

@@ -68,8 +68,8 @@ class MegatronModelWorker:
                  collective_timeout_s: float, head: str = "lm", stage_checkpoints: bool = False):
         """Imports only, no device memory: a run starts these processes while its generation engines
         start (vLLM sizes its KV cache from the GPU memory it sees free then). setup() builds.
-        stage_checkpoints: the run writes distributed checkpoints in the background; on a GPU their
-        host buffers are pinned ahead, from the first optimizer step on (dist_checkpoint.py)."""
+        stage_checkpoints: the run writes distributed checkpoints in the background: their host
+        buffers are allocated (pinned, on a GPU) ahead, after the first optimizer step (dist_checkpoint.py)."""
         self.startup = PhaseTimes()
         torch.set_num_threads(threads)
         with self.startup.phase("megatron_imports"):
@@ -403,10 +403,10 @@ class MegatronModelWorker:
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step failed on rank {self.rank} (non-finite gradients); lower "
                                f"its learning rate or optimizer.clip_grad, or look for inf/nan in the batch")
-        if (self.stage_checkpoints and dist_checkpoint.ON_GPU and not self.background_save.reserved
-                and not self.bridge.has_adapters):  # (an adapter checkpoint is small)
-            # the optimizer's state exists now: pin the first checkpoint's host buffers while training goes on
-            self.background_save.reserve(dist_checkpoint.state_bytes(self.model, self.optimizer))
+        if self.stage_checkpoints and not self.background_save.reserved and not self.bridge.has_adapters:
+            # the optimizer's state exists now: allocate (pin, on a GPU) the first checkpoint's host
+            # buffers while training goes on (an adapter checkpoint's are few)
+            self.background_save.reserve(dist_checkpoint.state_tensors(self.model, self.optimizer))
         if not outputs:
             return None
         metrics = {k: sum(o[k] for o in outputs) for k in outputs[0]}
