@@ -1,5 +1,5 @@
 """The host buffers a background checkpoint stages into (rlkit/workers/policy/dist_checkpoint.py):
-allocated ahead of the first save, one per tensor, and taken by shape and dtype."""
+allocated ahead of the first save, one per tensor out of one block, and taken by shape and dtype."""
 
 from types import SimpleNamespace
 
@@ -30,6 +30,7 @@ def test_staging_takes_the_buffers_reserved_ahead_by_shape_and_dtype():
         # each its own storage: the writer serializes a tensor's whole storage
         assert copy.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
     assert [c.data_ptr() for c in copies[:3]] == reserved
+    assert reserved == sorted(reserved) and reserved[2] - reserved[0] == 128 + 64  # one block, 64-byte aligned
     assert not any(save.spare.values())
     # the next save reuses the same buffers, refreshed
     tensors[0].add_(1)

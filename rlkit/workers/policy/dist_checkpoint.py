@@ -3,17 +3,12 @@
 A save has three parts. `start` is what holds training: megatron-core plans the save (the
 collective part), then every tensor it will write is copied into host buffers that are allocated
 once and reused (pinned on a GPU: one device-to-host copy at link speed; cloned on a CPU, where
-the planned tensors are the live ones). Page-locking those buffers is slow (1.0-1.3 s for
-SmolLM2's 1.9 GB), so the worker reserves them ahead (`reserve`, after its first optimizer step:
-one buffer per parameter and optimizer tensor, allocated by a thread while training goes on) and
-the first save takes the buffer of each tensor's shape and dtype from them. Each buffer is its
-own allocation: the writer serializes a tensor's whole storage, so views of one shared block
-would not do. A thread then writes those copies to disk while the
-worker trains, several files side by side (file writes and hashing release the GIL). `finish`
-(collective, at a step boundary) finalizes once every rank's thread is done: the global
-metadata, metadata.json. Each file's SHA-256 is taken as soon as it is written,
-while the others are still being written, for the checkpoint's manifest, so completing the
-checkpoint never re-reads the shards.
+the planned tensors are the live ones). Page-locking is slow when done per tensor at the save
+(0.8-1.3 s of SmolLM2's first save on an H100), so the worker reserves the buffers ahead
+(`reserve`, after its first optimizer step): a thread page-locks one block while training goes
+on and cuts it into one buffer per parameter and optimizer tensor, each a storage of its own over
+its part of the block (the writer serializes a tensor's whole storage: plain views of the block
+would write all of it). The first save takes the buffer of each tensor's shape and dtype.
 
 This is megatron-core's own asynchronous save (`async_sharded_save=True`), scheduled differently:
 megatron-core runs the write in a forked process per file, handing results back through a
@@ -55,15 +50,21 @@ class BackgroundSave:
         self._reserving: threading.Thread | None = None
 
     def reserve(self, tensors: list[torch.Tensor]) -> None:
-        """Allocate a host buffer (pinned on a GPU) of each tensor's shape and dtype in a thread,
-        off the caller's path; the first save waits for them if they are not all there yet."""
+        """Host buffers of the tensors' shapes and dtypes, out of one block (pinned on a GPU)
+        allocated by a thread, off the caller's path; the first save waits for them if they are
+        not there yet."""
         if self._reserving is not None:
             return
-        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        specs = [(tuple(t.shape), t.dtype, t.numel() * t.element_size()) for t in tensors]
 
         def allocate():
-            for shape, dtype in specs:
-                self.spare.setdefault((shape, dtype), []).append(torch.empty(shape, dtype=dtype, pin_memory=ON_GPU))
+            block = torch.empty(sum(_aligned(n) for _, _, n in specs), dtype=torch.uint8, pin_memory=ON_GPU)
+            memory, offset = block.numpy(), 0  # the numpy view keeps the block alive under every buffer
+            for shape, dtype, nbytes in specs:
+                own = torch.frombuffer(memory[offset:offset + nbytes], dtype=torch.uint8) if nbytes else \
+                    torch.empty(0, dtype=torch.uint8)
+                self.spare.setdefault((shape, dtype), []).append(own.view(dtype).view(shape))
+                offset += _aligned(nbytes)
 
         self._reserving = threading.Thread(target=allocate, name="checkpoint-reserve", daemon=True)
         self._reserving.start()
@@ -201,6 +202,11 @@ def state_tensors(modules: list, optimizer) -> list[torch.Tensor]:
     for t in tensors:
         unique.setdefault((t.data_ptr(), t.numel() * t.element_size()), t)
     return list(unique.values())
+
+
+def _aligned(nbytes: int) -> int:
+    """Bytes from one buffer's start in the block to the next's: 64-byte aligned, for any dtype."""
+    return -(-nbytes // 64) * 64
 
 
 class _Count:
