@@ -3,12 +3,12 @@
 A save has three parts. `start` is what holds training: megatron-core plans the save (the
 collective part), then every tensor it will write is copied into host buffers that are allocated
 once and reused (pinned on a GPU: one device-to-host copy at link speed; cloned on a CPU, where
-the planned tensors are the live ones). Page-locking is slow when done per tensor at the save
-(0.8-1.3 s of SmolLM2's first save on an H100), so the worker reserves the buffers ahead
-(`reserve`, after its first optimizer step): a thread page-locks one block while training goes
-on and cuts it into one buffer per parameter and optimizer tensor, each a storage of its own over
-its part of the block (the writer serializes a tensor's whole storage: plain views of the block
-would write all of it). The first save takes the buffer of each tensor's shape and dtype.
+the planned tensors are the live ones). A thread then writes those copies to disk while the
+worker trains, several files side by side (file writes and hashing release the GIL). `finish`
+(collective, at a step boundary) finalizes once every rank's thread is done: the global
+metadata, metadata.json. Each file's SHA-256 is taken as soon as it is written,
+while the others are still being written, for the checkpoint's manifest, so completing the
+checkpoint never re-reads the shards.
 
 This is megatron-core's own asynchronous save (`async_sharded_save=True`), scheduled differently:
 megatron-core runs the write in a forked process per file, handing results back through a
@@ -45,33 +45,6 @@ class BackgroundSave:
         # one strategy for every save: from the third on it reuses the global save plan (the
         # model's layout does not change), and access integrity is validated at the first only
         self.strategy = None
-        # host buffers allocated ahead for the next new staging buffers, by (shape, dtype)
-        self.spare: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-        self._reserving: threading.Thread | None = None
-
-    def reserve(self, tensors: list[torch.Tensor]) -> None:
-        """Host buffers of the tensors' shapes and dtypes, out of one block (pinned on a GPU)
-        allocated by a thread, off the caller's path; the first save waits for them if they are
-        not there yet."""
-        if self._reserving is not None:
-            return
-        specs = [(tuple(t.shape), t.dtype, t.numel() * t.element_size()) for t in tensors]
-
-        def allocate():
-            block = torch.empty(sum(_aligned(n) for _, _, n in specs), dtype=torch.uint8, pin_memory=ON_GPU)
-            memory, offset = block.numpy(), 0  # the numpy view keeps the block alive under every buffer
-            for shape, dtype, nbytes in specs:
-                own = torch.frombuffer(memory[offset:offset + nbytes], dtype=torch.uint8) if nbytes else \
-                    torch.empty(0, dtype=torch.uint8)
-                self.spare.setdefault((shape, dtype), []).append(own.view(dtype).view(shape))
-                offset += _aligned(nbytes)
-
-        self._reserving = threading.Thread(target=allocate, name="checkpoint-reserve", daemon=True)
-        self._reserving.start()
-
-    @property
-    def reserved(self) -> bool:
-        return self._reserving is not None
 
     @property
     def pending(self) -> bool:
@@ -135,15 +108,13 @@ class BackgroundSave:
 
     def _stage(self, buckets: list) -> list:
         """The buckets with every tensor replaced by its host copy, in buffers kept for the next save."""
-        if self._reserving is not None:
-            self._reserving.join()
         staged = []
         for b, (path, key, (bytes_data, tensor_data)) in enumerate(buckets):
             copies = []
             for i, (item, tensor) in enumerate(tensor_data):
                 buffer = self.staging.get((b, i))
                 if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                    buffer = self._new_buffer(tensor)
+                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=ON_GPU)
                     self.staging[(b, i)] = buffer
                 buffer.copy_(tensor.detach(), non_blocking=ON_GPU)
                 copies.append((item, buffer))
@@ -151,12 +122,6 @@ class BackgroundSave:
         if ON_GPU:
             torch.cuda.current_stream().synchronize()
         return staged
-
-    def _new_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host buffer for `tensor`: one reserved ahead where there is one of its shape and dtype,
-        else allocated now."""
-        spare = self.spare.get((tuple(tensor.shape), tensor.dtype))
-        return spare.pop() if spare else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=ON_GPU)
 
     def _write(self, transforms: list, buckets: list, results: queue.Queue | None):
         from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
@@ -188,25 +153,6 @@ class BackgroundSave:
             self.error = e
             if results is not None:
                 results.put(e)
-
-
-def state_tensors(modules: list, optimizer) -> list[torch.Tensor]:
-    """What a distributed checkpoint of `modules` and `optimizer` (megatron-core's, a chained one
-    included) stages: the parameters and the optimizer's tensors (main copies, moments), each once."""
-    tensors = [p for module in modules for p in module.parameters()]
-    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = wrapper.optimizer
-        tensors += [p for group in inner.param_groups for p in group["params"]]
-        tensors += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
-    unique = {}
-    for t in tensors:
-        unique.setdefault((t.data_ptr(), t.numel() * t.element_size()), t)
-    return list(unique.values())
-
-
-def _aligned(nbytes: int) -> int:
-    """Bytes from one buffer's start in the block to the next's: 64-byte aligned, for any dtype."""
-    return -(-nbytes // 64) * 64
 
 
 class _Count:
