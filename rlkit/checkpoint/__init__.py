@@ -139,8 +139,12 @@ class CheckpointManager:
         torch.save(controller_state, tmp / "controller.pt")
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         self.writing = _Writing(tmp, final, models, started)
-        log.info("checkpoint %s: training held %.2f s (%s), the rest is written in the background", final.name,
-                 held["held"], ", ".join(f"{part} {s:.2f}" for part, s in held.items() if part != "held"))
+        parts = ", ".join(f"{part} {s:.2f}" for part, s in held.items() if part != "held")
+        if parts:  # the models' background writers hold the rest
+            log.info("checkpoint %s: training held %.2f s (%s), the rest is written in the background", final.name,
+                     held["held"], parts)
+        else:  # written before save() returned (checkpoint.save_format=hf)
+            log.info("checkpoint %s: written, training held %.2f s", final.name, held["held"])
         return held
 
     def finish(self, wait: bool) -> Path | None:
