@@ -46,8 +46,9 @@ class EnvStep:
 class Environment:
     """Base class for environments. Constructor keyword arguments come from `env.*` config keys.
 
-    Besides `step` (and `setup`, for what is slow to load), three optional class-level declarations let a run that cannot work stop before
-    any worker starts: `metadata_fields`, `check_host` and `reference_response`."""
+    Besides `step` (and `setup`, for what is slow to load), three optional class-level
+    declarations let a run that cannot work stop before any worker starts: `metadata_fields`,
+    `check_host` and `reference_response`."""
 
     # the row fields step() reads from metadata: a prompt row without one is an error at load
     metadata_fields: tuple[str, ...] = ()
