@@ -43,6 +43,10 @@ class DeltaMeter:
         return self.sender.metrics()
 
 
+def _print_row(row: dict) -> None:
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+
 def checkpoint_steps(checkpoints: Path, device: str):
     """(step, {HF name: tensor}) of every complete checkpoint under `checkpoints`, oldest first."""
     from safetensors.torch import load_file
@@ -67,7 +71,7 @@ def from_checkpoints(args, device: str) -> tuple[dict, list[dict]]:
     for step, weights in checkpoint_steps(Path(args.checkpoints), device):
         meter = meter or DeltaMeter(weights, args.bucket_mb)
         rows.append({"step": step, **meter.refit(weights, base_held=bool(rows))})
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
+        _print_row(rows[-1])
     return {"checkpoints": str(args.checkpoints), "buckets": len(meter.plan.buckets)}, rows
 
 
@@ -94,7 +98,7 @@ def from_sft(args, device: str) -> tuple[dict, list[dict]]:
         optimizer.step()
         trained = time.perf_counter() - start
         rows.append({"step": step, "loss": loss.item(), "train_seconds": trained, **meter.refit(weights, True)})
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
+        _print_row(rows[-1])
     source = {"model": args.model.rstrip("/").split("/")[-1], "lr": args.lr, "batch": args.batch,
               "buckets": len(meter.plan.buckets)}
     return source, rows
