@@ -4,7 +4,6 @@
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,27 +11,22 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import unused_ports
 
 pytestmark = pytest.mark.integration
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
 def ray_head():
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    gcs_port, dashboard_port = free_port(), free_port()
+    gcs_port, dashboard_port, *others = unused_ports("127.0.0.1", 9)
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
-    # every port chosen free, so this cluster never collides with another one on the machine
-    agent_ports = [f"--{flag}={free_port()}" for flag in (
+    # every port chosen unused, so this cluster never collides with another one on the machine
+    agent_ports = [f"--{flag}={port}" for flag, port in zip((
         "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
-        "ray-client-server-port", "node-manager-port", "object-manager-port")]
+        "ray-client-server-port", "node-manager-port", "object-manager-port"), others)]
     head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                              f"--port={gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
                              *agent_ports, "--num-cpus=4", f"--temp-dir={temp_dir}"],

@@ -8,7 +8,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,16 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import unused_ports
 
 pytestmark = pytest.mark.integration
 
 HEAD, WORKER = "127.0.0.2", "127.0.0.3"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -47,22 +41,30 @@ def two_nodes(tmp_path):
     ray_cli = str(Path(sys.executable).parent / "ray")
     # Ray's socket paths live under its temp dir and may not exceed 107 bytes: pytest's tmp_path is too deep
     ray_dir = tempfile.mkdtemp(prefix="rlkit-2n-", dir="/tmp")
-    port = _free_port(HEAD)
     # Ray's token authentication, as a real cluster runs it: every process of this cluster holds the token
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     common = ["--block", "--num-cpus=1", "--disable-usage-stats"]
     nodes = []
     try:
-        with open(tmp_path / "head.log", "w") as log:
-            nodes.append(subprocess.Popen(
-                [ray_cli, "start", "--head", f"--node-ip-address={HEAD}", f"--port={port}", "--include-dashboard=false",
-                 f"--temp-dir={ray_dir}", *common], stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True))
-        deadline = time.monotonic() + 60
-        while subprocess.run([ray_cli, "status", f"--address={HEAD}:{port}"], capture_output=True, env=env).returncode:
-            assert time.monotonic() < deadline and nodes[0].poll() is None, (tmp_path / "head.log").read_text()[-2000:]
-            time.sleep(1)
+        # a port can still be taken between the check and the head's bind: a head that exits is started
+        # again on another port
+        for attempt in range(3):
+            [port] = unused_ports(HEAD)
+            with open(tmp_path / "head.log", "w") as log:
+                head = subprocess.Popen(
+                    [ray_cli, "start", "--head", f"--node-ip-address={HEAD}", f"--port={port}",
+                     "--include-dashboard=false", f"--temp-dir={ray_dir}", *common],
+                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            nodes.append(head)
+            deadline = time.monotonic() + 60
+            while head.poll() is None and subprocess.run([ray_cli, "status", f"--address={HEAD}:{port}"],
+                                                         capture_output=True, env=env).returncode:
+                assert time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-2000:]
+                time.sleep(1)
+            if head.poll() is None:
+                break
+            assert attempt < 2, (tmp_path / "head.log").read_text()[-2000:]
         with open(tmp_path / "worker.log", "w") as log:
             nodes.append(subprocess.Popen(
                 [ray_cli, "start", f"--address={HEAD}:{port}", f"--node-ip-address={WORKER}", *common],
