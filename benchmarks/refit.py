@@ -9,10 +9,22 @@ TRANSPORTS names the layouts of several GPUs (two engines, an engine of two GPUs
 A refit is the whole thing: export from Megatron, packing, transport, loading into vLLM.
 Each bucket size (--bucket-mb) is measured on the same workers after one refit that learns the
 plan through vLLM's own loader (reported as first_refit_s).
+
+Constrained link (--link-gbit, CPU): dense refit against refit.delta over the object-store
+transport, between two Ray nodes whose link is capped (benchmarks/link.py), on a pretrained
+model's training steps:
+
+  python benchmarks/refit.py --link-gbit 1,10 --model <SmolLM2-135M-Instruct dir> --steps 5 --out link.json
+
+The policy (Megatron, fp32) sits on one node and an HF generation worker holding bf16 weights on
+the other. Each step is one Adam step of next-token loss on generated GSM8K-format word problems
+at the GPU recipe's learning rate; after it the weights go across twice, as a delta (against the
+version sent before) and dense, each timed; a run of steps per cap, on workers of their own.
 """
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -22,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import broadcast_bandwidth, copy_bandwidth, qwen3_checkpoint  # noqa: E402
+from link import link_cap, two_local_nodes, use_token_auth  # noqa: E402
 
 TRANSPORTS = {"cuda_ipc": ["cluster.placement=colocated", "refit=cuda_ipc"],
               "nccl": ["cluster.placement=disaggregated", "refit=nccl"],
@@ -97,15 +110,103 @@ def logprob_agreement(workers, model_dir: Path) -> float:
     return error["refit/token_mult_prob_error"]
 
 
+def word_problem_batch(tokenizer, rng: random.Random, rows: int):
+    """`rows` generated word problems with their worked answers, as next-token training rows."""
+    from rlkit.config.schema import ArithmeticSetConfig
+    from rlkit.data.batch import Batch
+    from rlkit.data.word_problems import word_problem
+
+    problems = ArithmeticSetConfig(train_size=1, val_size=1, max_operand=20, operations=["+", "-"], seed=0)
+    texts = [f"{p['question']}\n{p['answer']}" for p in (word_problem(rng, problems) for _ in range(rows))]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True)
+    return Batch({"input_ids": encoded["input_ids"]}), encoded["attention_mask"].float()
+
+
+def link_refits(model_dir: Path, gbit: float | None, steps: int, bucket_mb: float, lr: float, rows: int) -> list[dict]:
+    """One run of `steps` training steps with the link into the generation worker's node capped at
+    `gbit` Gbit/s (None: loopback's own speed); per step, the delta refit's and the dense refit's
+    figures. Step 0 is the first refit (dense under either)."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from rlkit.algorithms.objectives import NextTokenNLL
+    from rlkit.cluster.refit_driver import ObjectStoreTransfer, RefitDriver
+    from rlkit.cluster.setup import start_workers
+    from rlkit.data.batch import batch_totals
+    from rlkit.launch.config import load_config
+
+    rng, tokenizer = random.Random(0), AutoTokenizer.from_pretrained(model_dir)
+    with two_local_nodes() as address:
+        cfg, _ = load_config("grpo_tiny_cpu", [
+            f"cluster.address={address}", "cluster.placement=disaggregated", "policy.num_workers=1",
+            "generation.num_workers=1", f"policy.model_path={model_dir}", "generation.precision=bf16",
+            "refit.delta=true", f"refit.bucket_mb={bucket_mb}", f"policy.optimizer.lr={lr}",
+            f"policy.train_global_batch_size={rows}", f"policy.micro_batch_size={rows}"])
+        workers = start_workers(cfg, str(model_dir))
+        try:
+            [engine_node] = set(workers.generation.workers.node_ips())
+            driver = RefitDriver(cfg, workers.policy, workers.generation, workers.placement_group, sleepers=[])
+            dense = ObjectStoreTransfer(workers.policy, workers.generation, workers.placement_group,
+                                        cfg.refit.channel_host)
+            results = []
+            with link_cap(engine_node, gbit):
+                for step in range(steps + 1):
+                    trained = {}
+                    if step:
+                        batch, mask = word_problem_batch(tokenizer, rng, rows)
+                        trained = workers.policy.train(batch.with_fields(loss_mask=mask), batch_totals(mask),
+                                                       NextTokenNLL())
+                    delta, full = driver.push_weights(), dense(driver.plan, driver.verify)
+                    results.append({
+                        "link_gbit": gbit, "step": step, "loss": trained.get("loss"),
+                        "grad_norm": trained.get("grad_norm"), "dense_bytes": full["refit/bytes"],
+                        "delta_bytes": delta["refit/delta_bytes"], "delta_fraction": delta["refit/delta_fraction"],
+                        "dense_s": full["timing/refit_transfer"], "delta_s": delta["timing/refit_transfer"],
+                        "encode_s": delta["timing/refit_delta_encode"], "apply_s": delta["timing/refit_delta_apply"],
+                        "buckets": delta["refit/buckets"]})
+                    print(json.dumps(results[-1]), flush=True)
+            return results
+        finally:
+            workers.shutdown()
+            ray.shutdown()
+
+
+def link_main(args) -> None:
+    use_token_auth()
+    rows = []
+    for gbit in args.link_gbit.split(","):
+        rows += link_refits(Path(args.model), None if gbit == "none" else float(gbit), args.steps,
+                            float(args.bucket_mb), args.lr, args.rows)
+        Path(args.out).write_text(json.dumps({"model": Path(args.model).name, "lr": args.lr, "rows": rows}, indent=1))
+    print("\n| link Gbit/s | step | changed bf16 elements | delta MB / dense MB | delta refit s | dense refit s "
+          "| encode / apply s |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['link_gbit'] or 'loopback'} | {r['step']} | {r['delta_fraction']:.2%} | "
+              f"{r['delta_bytes'] / 1e6:.1f} / {r['dense_bytes'] / 1e6:.1f} | {r['delta_s']:.2f} | {r['dense_s']:.2f} | "
+              f"{r['encode_s']:.2f} / {r['apply_s']:.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="1.5b,7b")
     parser.add_argument("--transports", default="cuda_ipc,nccl")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--bucket-mb", default="512,2048", help="comma-separated; each is measured")
+    parser.add_argument("--bucket-mb", help="comma-separated, each measured (default 512,2048); --link-gbit: one "
+                        "(default 64)")
     parser.add_argument("--checkpoints", default=tempfile.gettempdir() + "/rlkit_bench")
     parser.add_argument("--out", default="refit.json")
+    parser.add_argument("--link-gbit", help="constrained-link mode: comma-separated caps in Gbit/s ('none': uncapped)")
+    parser.add_argument("--model", help="--link-gbit: an HF model directory (the policy's starting weights)")
+    parser.add_argument("--steps", type=int, default=5, help="--link-gbit: training steps per cap")
+    parser.add_argument("--lr", type=float, default=1e-5, help="--link-gbit: Adam's learning rate")
+    parser.add_argument("--rows", type=int, default=8, help="--link-gbit: word problems per training step")
     args = parser.parse_args()
+    if args.link_gbit:
+        if not args.model:
+            parser.error("--link-gbit needs --model, the HF directory of the policy's weights")
+        args.bucket_mb = args.bucket_mb or "64"
+        return link_main(args)
+    args.bucket_mb = args.bucket_mb or "512,2048"
     import ray
 
     limits = {"copy_gbytes_per_s": copy_bandwidth(), "broadcast_gbytes_per_s": broadcast_bandwidth()}

@@ -1,0 +1,103 @@
+"""Two Ray nodes on one machine (127.0.0.2 and 127.0.0.3, each started with `ray start`), and a
+bandwidth cap on what reaches one of them: a network between nodes, measurable on one machine.
+
+The cap is Linux traffic control on the loopback interface: an htb class at the given rate for
+packets to the capped address, every other packet unlimited. It needs root (CAP_NET_ADMIN) and
+the kernel's htb and u32 modules; on a machine without them, link_cap says so and changes nothing."""
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+NODES = ("127.0.0.2", "127.0.0.3")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """`ray start --block` leads its node's processes in a session of their own: end the group."""
+    for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def use_token_auth() -> None:
+    """Ray's token authentication for this process and the nodes it starts, as a real cluster runs
+    it. Ray reads it when imported: call this first."""
+    os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+
+
+@contextmanager
+def two_local_nodes(cpus_per_node: int = 1):
+    """Yields the head's GCS address, for a driver that called use_token_auth() before importing
+    ray; both nodes stop on exit, by process group."""
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        raise RuntimeError("call use_token_auth() before importing ray: the nodes authenticate by token")
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    ray_dir = tempfile.mkdtemp(prefix="rlkit-link-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    env = dict(os.environ)
+    common = ["--block", f"--num-cpus={cpus_per_node}", "--disable-usage-stats"]
+    nodes = []
+    try:
+        # port 0: Ray binds a free port itself and writes the address to ray_current_cluster
+        nodes.append(subprocess.Popen(
+            [ray_cli, "start", "--head", f"--node-ip-address={NODES[0]}", "--port=0", "--include-dashboard=false",
+             f"--temp-dir={ray_dir}", *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            start_new_session=True))
+        address_file, deadline = Path(ray_dir) / "ray_current_cluster", time.monotonic() + 120
+        while not (address_file.is_file() and address_file.read_text().strip()):
+            if nodes[0].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head on {NODES[0]} did not start")
+            time.sleep(0.5)
+        address = address_file.read_text().strip()
+        nodes.append(subprocess.Popen(
+            [ray_cli, "start", f"--address={address}", f"--node-ip-address={NODES[1]}", *common],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True))
+        yield address
+    finally:
+        for node in reversed(nodes):
+            _stop(node)
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def _tc(*args: str) -> None:
+    result = subprocess.run(["tc", *args], capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"tc {' '.join(args)}: {result.stderr.strip()}")
+
+
+@contextmanager
+def link_cap(address: str, gbit: float | None):
+    """Packets on loopback to `address` leave at most at `gbit` Gbit/s while inside (None: no cap).
+    Refuses to touch a loopback interface that already has a queueing discipline of its own."""
+    if gbit is None:
+        yield
+        return
+    if shutil.which("tc") is None:
+        raise RuntimeError("capping the link needs tc (iproute2) and root")
+    current = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+    if current.strip() and "noqueue" not in current:
+        raise RuntimeError(f"lo already has a queueing discipline ({current.strip()}); not replacing it")
+    _tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10")
+    try:
+        _tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb", "rate", "100gbit")
+        _tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:20", "htb", "rate", f"{gbit}gbit",
+            "ceil", f"{gbit}gbit")
+        _tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+            "dst", f"{address}/32", "flowid", "1:20")
+        yield
+    finally:
+        _tc("qdisc", "del", "dev", "lo", "root")
