@@ -33,39 +33,40 @@ def _stop(process: subprocess.Popen) -> None:
             pass
 
 
-def use_token_auth() -> None:
-    """Ray's token authentication for this process and the nodes it starts, as a real cluster runs
-    it. Ray reads it when imported: call this first."""
-    os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+def token_env() -> dict:
+    """This process's environment with Ray's token authentication on and a new token, as a real
+    cluster runs it: the nodes and every driver that joins them need it (Ray reads it on import)."""
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
 @contextmanager
-def two_local_nodes(cpus_per_node: int = 1):
-    """Yields the head's GCS address, for a driver that called use_token_auth() before importing
-    ray; both nodes stop on exit, by process group."""
-    if os.environ.get("RAY_AUTH_MODE") != "token":
-        raise RuntimeError("call use_token_auth() before importing ray: the nodes authenticate by token")
+def two_local_nodes(env: dict, log_dir: Path, cpus_per_node: int = 1):
+    """Yields the head's GCS address; the nodes run with `env` (token_env()) and log to
+    log_dir/head.log and worker.log; both stop on exit, by process group."""
     ray_cli = str(Path(sys.executable).parent / "ray")
-    ray_dir = tempfile.mkdtemp(prefix="rlkit-link-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
-    env = dict(os.environ)
+    ray_dir = tempfile.mkdtemp(prefix="rlkit-2n-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     common = ["--block", f"--num-cpus={cpus_per_node}", "--disable-usage-stats"]
     nodes = []
     try:
-        # port 0: Ray binds a free port itself and writes the address to ray_current_cluster
-        nodes.append(subprocess.Popen(
-            [ray_cli, "start", "--head", f"--node-ip-address={NODES[0]}", "--port=0", "--include-dashboard=false",
-             f"--temp-dir={ray_dir}", *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-            start_new_session=True))
+        # port 0: the head binds a free port itself (a port chosen here could be taken before it binds)
+        # and writes its address to ray_current_cluster
+        with open(log_dir / "head.log", "w") as log:
+            nodes.append(subprocess.Popen(
+                [ray_cli, "start", "--head", f"--node-ip-address={NODES[0]}", "--port=0", "--include-dashboard=false",
+                 f"--temp-dir={ray_dir}", *common], stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True))
         address_file, deadline = Path(ray_dir) / "ray_current_cluster", time.monotonic() + 120
         while not (address_file.is_file() and address_file.read_text().strip()):
             if nodes[0].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the Ray head on {NODES[0]} did not start")
+                raise RuntimeError(f"the Ray head on {NODES[0]} did not start:\n"
+                                   + (log_dir / "head.log").read_text()[-2000:])
             time.sleep(0.5)
         address = address_file.read_text().strip()
-        nodes.append(subprocess.Popen(
-            [ray_cli, "start", f"--address={address}", f"--node-ip-address={NODES[1]}", *common],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True))
+        with open(log_dir / "worker.log", "w") as log:
+            nodes.append(subprocess.Popen(
+                [ray_cli, "start", f"--address={address}", f"--node-ip-address={NODES[1]}", *common],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         yield address
     finally:
         for node in reversed(nodes):

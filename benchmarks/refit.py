@@ -24,6 +24,7 @@ version sent before) and dense, each timed; a run of steps per cap, on workers o
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -34,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import broadcast_bandwidth, copy_bandwidth, qwen3_checkpoint  # noqa: E402
-from link import link_cap, two_local_nodes, use_token_auth  # noqa: E402
+from link import link_cap, token_env, two_local_nodes  # noqa: E402
 
 TRANSPORTS = {"cuda_ipc": ["cluster.placement=colocated", "refit=cuda_ipc"],
               "nccl": ["cluster.placement=disaggregated", "refit=nccl"],
@@ -136,7 +137,7 @@ def link_refits(model_dir: Path, gbit: float | None, steps: int, bucket_mb: floa
     from rlkit.launch.config import load_config
 
     rng, tokenizer = random.Random(0), AutoTokenizer.from_pretrained(model_dir)
-    with two_local_nodes() as address:
+    with tempfile.TemporaryDirectory() as logs, two_local_nodes(dict(os.environ), Path(logs)) as address:
         cfg, _ = load_config("grpo_tiny_cpu", [
             f"cluster.address={address}", "cluster.placement=disaggregated", "policy.num_workers=1",
             "generation.num_workers=1", f"policy.model_path={model_dir}", "generation.precision=bf16",
@@ -172,7 +173,7 @@ def link_refits(model_dir: Path, gbit: float | None, steps: int, bucket_mb: floa
 
 
 def link_main(args) -> None:
-    use_token_auth()
+    os.environ.update(token_env())  # before ray is imported: this driver joins the nodes with their token
     rows = []
     for gbit in args.link_gbit.split(","):
         rows += link_refits(Path(args.model), None if gbit == "none" else float(gbit), args.steps,
