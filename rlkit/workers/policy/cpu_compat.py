@@ -68,6 +68,11 @@ def _host_copy(tensor, as_numpy=False, record_stream=False):
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
+def _uncompiled(model=None, **options):
+    """torch.compile's signature, compiling nothing: as a decorator it returns the function as is."""
+    return model if model is not None else (lambda function: function)
+
+
 _mode = None
 
 
@@ -75,10 +80,19 @@ def enable():
     global _mode
     if _mode is not None:
         return
-    import megatron.core.fusions.fused_softmax as fused_softmax
-    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
-    import megatron.core.tensor_parallel.random as mcore_random
-    import megatron.core.transformer.utils as transformer_utils
+    # megatron-core wraps its fusable functions in torch.compile as it imports them (megatron.core.jit's
+    # jit_fuser), which imports dynamo and inductor: 1.5 s of CPU in every worker process. On a CPU they
+    # stay plain functions (what megatron does where torch.compile is missing); the first import of
+    # megatron.core binds jit_fuser, so this holds for its modules imported later too.
+    compile_ = torch.compile
+    torch.compile = _uncompiled
+    try:
+        import megatron.core.fusions.fused_softmax as fused_softmax
+        import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+        import megatron.core.tensor_parallel.random as mcore_random
+        import megatron.core.transformer.utils as transformer_utils
+    finally:
+        torch.compile = compile_
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
