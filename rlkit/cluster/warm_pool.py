@@ -24,6 +24,7 @@ class WarmPool:
     def __init__(self):
         self._idle: dict[tuple, list] = defaultdict(list)
         self._kind: dict = {}  # actor -> the key it was started under
+        self._class: dict = {}  # actor -> its class
         self._started = 0
 
     def take(self, role: str, actor_cls: type, variant: str, make_args: Callable[[int], dict], count: int,
@@ -39,7 +40,7 @@ class WarmPool:
             try:
                 ray.get(reset, timeout=timeout_s)
             except ray.exceptions.RayActorError:
-                del self._kind[workers[rank]]
+                del self._kind[workers[rank]], self._class[workers[rank]]
                 workers[rank] = None
             except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:
                 self.give_back(WorkerGroup(role, [w for w in workers if w is not None], timeout_s), healthy=False)
@@ -54,17 +55,25 @@ class WarmPool:
                 workers[rank] = ray.remote(actor_cls).options(
                     num_cpus=0, scheduling_strategy=on_this_node, name=f"warm-pool-{id(self):x}-{self._started}",
                 ).remote(**make_args(rank))
-                self._kind[workers[rank]] = key
+                self._kind[workers[rank]], self._class[workers[rank]] = key, actor_cls
         return WorkerGroup(role, workers, timeout_s)
 
     def give_back(self, group: WorkerGroup, healthy: bool = True) -> None:
-        """The group's workers become idle; those of a run that failed are killed (a worker may have
-        died or be stuck in a collective), and their successors start fresh."""
+        """The group's workers become idle, each first letting go of what its run set up where its
+        class can (`release`: a Megatron worker's process groups and model); those of a run that
+        failed, or that fail to release, are killed (a worker may have died or be stuck in a
+        collective), and their successors start fresh."""
+        if healthy:
+            releases = [actor.release.remote() for actor in group.actors if hasattr(self._class[actor], "release")]
+            try:
+                ray.get(releases, timeout=group.timeout_s)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                healthy = False  # a rank that cannot let go leaves the whole group suspect, as a failed run does
         for actor in group.actors:
             if healthy:
                 self._idle[self._kind[actor]].append(actor)
             else:
-                del self._kind[actor]
+                del self._kind[actor], self._class[actor]
                 ray.kill(actor)
 
     @property
@@ -77,3 +86,4 @@ class WarmPool:
             ray.kill(actor)
         self._idle.clear()
         self._kind.clear()
+        self._class.clear()

@@ -12,6 +12,7 @@ shard where it lives, and training reads it, so token tensors cross the controll
 """
 
 import functools
+import gc
 import os
 import time
 import warnings
@@ -634,15 +635,24 @@ class MegatronModelWorker:
             write_hf_peft_adapter(out_dir, adapters, self.cfg.peft, self.base_dir)
         dist.barrier()
 
-    def reset(self, args: dict):
-        """Leave the process group and drop the model, then take new constructor arguments (another
-        model, layout or rank) for the next setup(). The process and its imports stay, for a
-        WarmPool (rlkit/cluster/warm_pool.py) to reuse."""
+    def release(self):
+        """Leave the process group and drop the model: a WarmPool's idle worker (rlkit/cluster/
+        warm_pool.py) holds no process group, whose gloo threads would keep waking, and no model
+        memory. Only reset() may follow."""
         if dist.is_initialized():
             assert not self.background_save.pending, "a checkpoint is still being written (finish_checkpoint)"
             self.mpu.destroy_model_parallel()
             dist.destroy_process_group()
         self.__dict__.clear()
+        # the model and optimizer reach their process groups through reference cycles: until a full
+        # collection frees them, each group's gloo threads stay (about 50 threads per run), and they
+        # cost an idle worker a tenth of a core after a few runs
+        gc.collect()
+
+    def reset(self, args: dict):
+        """release(), then take new constructor arguments (another model, layout or rank) for the
+        next setup(). The process and its imports stay, for a WarmPool to reuse."""
+        self.release()
         self.__init__(**args)
 
     def shutdown(self):
