@@ -25,8 +25,9 @@ RUN = ["algorithm.num_steps=5", "checkpoint.every=2", "algorithm.val_every=100",
 
 
 def steps_logged(run_dir) -> list[dict]:
+    """The steps the run logged. A line the run is still writing (no newline yet) is not one."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
 def engine_processes() -> list[psutil.Process]:

@@ -70,9 +70,10 @@ def kill_when(process, condition, point: str, timeout_s=300):
 
 
 def steps_logged(run_dir) -> int:
+    """The last step the run logged. A line the run is still writing (no newline yet) is not one."""
     path = run_dir / "metrics.jsonl"
-    return max((json.loads(line)["step"] for line in path.read_text().splitlines()), default=-1) \
-        if path.exists() else -1
+    complete = path.read_text().split("\n")[:-1] if path.exists() else []
+    return max((json.loads(line)["step"] for line in complete), default=-1)
 
 
 def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, tmp_path, cache_dir):
