@@ -639,6 +639,8 @@ class MegatronModelWorker:
         """Leave the process group and drop the model: a WarmPool's idle worker (rlkit/cluster/
         warm_pool.py) holds no process group, whose gloo threads would keep waking, and no model
         memory. Only reset() may follow."""
+        if not self.__dict__:  # released already (given back, now taken again): no second full collection
+            return
         if dist.is_initialized():
             assert not self.background_save.pending, "a checkpoint is still being written (finish_checkpoint)"
             self.mpu.destroy_model_parallel()
