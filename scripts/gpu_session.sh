@@ -12,6 +12,8 @@
 #     delta sparsity of each step's weights against the step before (benchmarks/delta_sparsity.py --checkpoints)
 #   bash scripts/gpu_session.sh e2e-verl [seconds] [e2e_verl.py args]    verl 0.9.1 on SmolLM2 from /tmp/site-verl (scripts/verl_stack.sh)
 #   bash scripts/gpu_session.sh refit-layouts <s> <size> <layout,...>    refit benchmark on layouts of several GPUs
+#   bash scripts/gpu_session.sh tests-start <until epoch> [gpu_tests.py args]; tests-wait <s>    tests/gpu over every GPU,
+#     several groups at once (scripts/gpu_tests.py), in its own session: it runs on between calls; each wait brings its logs
 #   bash scripts/gpu_session.sh async <s> <k,...> [async_grpo.py args]    async GRPO: SmolLM2, disaggregated on 2 GPUs, per
 #     max_staleness (one per call: async 590 0 --timeout 570, then async 590 1 --timeout 570; results merge in /tmp/async_grpo.json)
 set -uo pipefail
@@ -79,6 +81,12 @@ case "$1" in
   async) smollm2; timeout "$2" python3 benchmarks/async_grpo.py --staleness "$3" --out /tmp/async_grpo.json "${@:4}" \
            2>&1 | tee -a "$OUT/async_grpo.log" | tail -4; cp /tmp/async_grpo.json "$OUT/" 2>/dev/null ;;  # 2 GPUs; async <s> <k,...>
   tests) tests 560 ;;
+  tests-start) mkdir -p /tmp/gpu_tests; setsid python3 scripts/gpu_tests.py --log-dir /tmp/gpu_tests --until "$2" "${@:3}" \
+                 > /tmp/gpu_tests/scheduler.log 2>&1 < /dev/null & echo $! > /tmp/gpu_tests/scheduler.pid ;;  # tests-start <until epoch> [gpu_tests.py args]
+  tests-wait) waited=0  # tests-wait <s>: until tests-start's scheduler ends or s seconds pass; its logs in $OUT
+              while kill -0 "$(cat /tmp/gpu_tests/scheduler.pid)" 2>/dev/null && [ $waited -lt "$2" ]; do sleep 5; waited=$((waited + 5)); done
+              cp /tmp/gpu_tests/scheduler.log /tmp/gpu_tests/durations.json "$OUT/" 2>/dev/null
+              tar -czf "$OUT/gpu_tests_logs.tar.gz" -C /tmp/gpu_tests --exclude=tmp . ; grep "gpu_tests\]\|GPU(s):" /tmp/gpu_tests/scheduler.log | tail -12 ;;
   tests-of) tests "$2" "${*:3}" ;;  # tests-of <seconds> <pytest arguments...>
   e2e) timeout "$2" python3 benchmarks/e2e.py --out "$OUT/e2e_$3.json" --model "${@:3}" 2>&1 | grep -v "^(\|Warn" \
          | tee "$OUT/e2e_$3.log"; cp /tmp/rlkit_e2e/rlkit.log "$OUT/e2e_$3_rlkit.log" 2>/dev/null ;;  # e2e <s> <model> [args]
