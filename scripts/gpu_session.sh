@@ -81,7 +81,9 @@ case "$1" in
   async) smollm2; timeout "$2" python3 benchmarks/async_grpo.py --staleness "$3" --out /tmp/async_grpo.json "${@:4}" \
            2>&1 | tee -a "$OUT/async_grpo.log" | tail -4; cp /tmp/async_grpo.json "$OUT/" 2>/dev/null ;;  # 2 GPUs; async <s> <k,...>
   tests) tests 560 ;;
-  tests-start) mkdir -p /tmp/gpu_tests; setsid python3 scripts/gpu_tests.py --log-dir /tmp/gpu_tests --until "$2" "${@:3}" \
+  tests-start) mkdir -p /tmp/gpu_tests  # planned with the durations measured last (4x H200) unless --estimates says otherwise
+               setsid python3 scripts/gpu_tests.py --log-dir /tmp/gpu_tests --until "$2" \
+                 --estimates benchmarks/results/gpu_tests_h200x4/durations.json "${@:3}" \
                  > /tmp/gpu_tests/scheduler.log 2>&1 < /dev/null & echo $! > /tmp/gpu_tests/scheduler.pid ;;  # tests-start <until epoch> [gpu_tests.py args]
   tests-wait) waited=0  # tests-wait <s>: until tests-start's scheduler ends or s seconds pass; its logs in $OUT
               while kill -0 "$(cat /tmp/gpu_tests/scheduler.pid)" 2>/dev/null && [ $waited -lt "$2" ]; do sleep 5; waited=$((waited + 5)); done
