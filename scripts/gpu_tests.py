@@ -100,7 +100,7 @@ def run(groups: list[Group], gpus: int, log_dir: Path, until: float, estimates: 
     # needs every GPU runs once the narrower ones are done
     queue = sorted((g for g in groups if not (log_dir / f"{g.slug}.xml").exists()),
                    key=lambda g: (-estimate(g), -g.gpus))
-    (log_dir / "tmp").mkdir(exist_ok=True)  # pytest makes each group's --basetemp, not its parents
+    (log_dir / "tmp").mkdir(parents=True, exist_ok=True)  # pytest makes each group's --basetemp, not its parents
     free, running = list(range(gpus)), {}  # Popen -> (group, gpus held, started)
     while queue or running:
         for process, (group, held, started) in list(running.items()):
@@ -171,7 +171,6 @@ def main() -> None:
     import torch  # after argparse: --help answers without it
 
     gpus = args.gpus if args.gpus is not None else torch.cuda.device_count()
-    args.log_dir.mkdir(parents=True, exist_ok=True)
     estimates = json.loads(args.estimates.read_text()) if args.estimates else {}
     groups = collect(args.paths)
     started = time.time()
