@@ -75,6 +75,12 @@ def from_checkpoints(args, device: str) -> tuple[dict, list[dict]]:
     return {"checkpoints": str(args.checkpoints), "buckets": len(meter.plan.buckets)}, rows
 
 
+def word_problem_texts(rng: random.Random, rows: int) -> list[str]:
+    """`rows` generated word problems, each with its worked answer, as next-token training text."""
+    problems = ArithmeticSetConfig(train_size=1, val_size=1, max_operand=20, operations=["+", "-"], seed=0)
+    return [f"{p['question']}\n{p['answer']}" for p in (word_problem(rng, problems) for _ in range(rows))]
+
+
 def from_sft(args, device: str) -> tuple[dict, list[dict]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,12 +90,9 @@ def from_sft(args, device: str) -> tuple[dict, list[dict]]:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     weights = dict(model.named_parameters())  # tied weights once, as the exporter sends them
     meter, rng = DeltaMeter(weights, args.bucket_mb), random.Random(0)
-    problems = ArithmeticSetConfig(train_size=1, val_size=1, max_operand=20, operations=["+", "-"], seed=0)
     rows = [{"step": 0, **meter.refit(weights, base_held=False)}]
     for step in range(1, args.steps + 1):
-        rows_text = [word_problem(rng, problems) for _ in range(args.batch)]
-        texts = [f"{r['question']}\n{r['answer']}" for r in rows_text]
-        batch = tokenizer(texts, return_tensors="pt", padding=True).to(device)
+        batch = tokenizer(word_problem_texts(rng, args.batch), return_tensors="pt", padding=True).to(device)
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         start = time.perf_counter()
         loss = model(**batch, labels=labels).loss

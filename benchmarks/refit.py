@@ -113,13 +113,10 @@ def logprob_agreement(workers, model_dir: Path) -> float:
 
 def word_problem_batch(tokenizer, rng: random.Random, rows: int):
     """`rows` generated word problems with their worked answers, as next-token training rows."""
-    from rlkit.config.schema import ArithmeticSetConfig
+    from delta_sparsity import word_problem_texts
     from rlkit.data.batch import Batch
-    from rlkit.data.word_problems import word_problem
 
-    problems = ArithmeticSetConfig(train_size=1, val_size=1, max_operand=20, operations=["+", "-"], seed=0)
-    texts = [f"{p['question']}\n{p['answer']}" for p in (word_problem(rng, problems) for _ in range(rows))]
-    encoded = tokenizer(texts, return_tensors="pt", padding=True)
+    encoded = tokenizer(word_problem_texts(rng, rows), return_tensors="pt", padding=True)
     return Batch({"input_ids": encoded["input_ids"]}), encoded["attention_mask"].float()
 
 
