@@ -97,8 +97,9 @@ def run(groups: list[Group], gpus: int, log_dir: Path, until: float, estimates: 
         return sum(estimates.get(t, DEFAULT_ESTIMATE_S) for t in group.tests)
 
     # longest first; each round starts every group that fits the GPUs free then, so a group that
-    # needs every GPU runs once the narrower ones are done
-    queue = sorted((g for g in groups if not (log_dir / f"{g.slug}.xml").exists()),
+    # needs every GPU runs once the narrower ones are done. One that needs more GPUs than there are
+    # is left out (summarize reports it skipped, as its own run would be)
+    queue = sorted((g for g in groups if g.gpus <= gpus and not (log_dir / f"{g.slug}.xml").exists()),
                    key=lambda g: (-estimate(g), -g.gpus))
     (log_dir / "tmp").mkdir(parents=True, exist_ok=True)  # pytest makes each group's --basetemp, not its parents
     free, running = list(range(gpus)), {}  # Popen -> (group, gpus held, started)
@@ -114,9 +115,6 @@ def run(groups: list[Group], gpus: int, log_dir: Path, until: float, estimates: 
                 free = sorted(free + held)
                 del running[process]
         for group in list(queue):
-            if group.gpus > gpus:
-                queue.remove(group)  # reported as skipped by its own run on a machine that has them
-                continue
             if group.gpus <= len(free) and time.time() + estimate(group) < until - SUMMARY_MARGIN_S:
                 held, free = free[:group.gpus], free[group.gpus:]
                 env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, held)),
@@ -133,7 +131,7 @@ def run(groups: list[Group], gpus: int, log_dir: Path, until: float, estimates: 
                 queue.remove(group)
                 print(f"[gpu_tests] {group.key} started on GPU {env['CUDA_VISIBLE_DEVICES']} "
                       f"(estimate {estimate(group):.0f} s)", flush=True)
-        if not running and queue and all(g.gpus <= gpus for g in queue):
+        if queue and not running:
             break  # what is left cannot end before --until
         time.sleep(1)
     for group in queue:
