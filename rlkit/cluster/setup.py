@@ -178,9 +178,10 @@ def _megatron_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, p
 def model_worker_args(cfg: RootConfig, model_cfg, model_dir: str, head: str) -> Callable[[int], dict]:
     """Rank r's MegatronModelWorker arguments, for a model of model_cfg's layout (cfg.policy or the critic's)."""
     c = cfg.cluster
+    staged = cfg.checkpoint.save_format == "dist" and cfg.checkpoint.background
     return lambda rank: dict(cfg=model_cfg, model_dir=model_dir, rank=rank, world_size=model_cfg.num_workers,
                              seed=cfg.run.seed, threads=c.threads_per_worker,
-                             collective_timeout_s=c.collective_timeout_s, head=head)
+                             collective_timeout_s=c.collective_timeout_s, head=head, stage_checkpoints=staged)
 
 
 def _set_up(group: WorkerGroup, pg, placement: Placement) -> None:

@@ -66,9 +66,11 @@ def optional_kernels_missing() -> list[str]:
 
 class MegatronModelWorker:
     def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, seed: int, threads: int,
-                 collective_timeout_s: float, head: str = "lm"):
+                 collective_timeout_s: float, head: str = "lm", stage_checkpoints: bool = False):
         """Imports only, no device memory: a run starts these processes while its generation engines
-        start (vLLM sizes its KV cache from the GPU memory it sees free then). setup() builds."""
+        start (vLLM sizes its KV cache from the GPU memory it sees free then). setup() builds.
+        stage_checkpoints: the run writes distributed checkpoints in the background: their host
+        buffers are allocated (pinned, on a GPU) ahead, after the first optimizer step (dist_checkpoint.py)."""
         self.startup = PhaseTimes()
         torch.set_num_threads(threads)
         with self.startup.phase("megatron_imports"):
@@ -80,7 +82,7 @@ class MegatronModelWorker:
 
             from rlkit.bridge import import_backend
             import_backend(cfg.bridge)
-        self.cfg, self.rank, self.head = cfg, rank, head
+        self.cfg, self.rank, self.head, self.stage_checkpoints = cfg, rank, head, stage_checkpoints
         self._setup_args = (model_dir, world_size, seed, collective_timeout_s)
 
     def setup(self, master_addr: str, master_port: int):
@@ -402,6 +404,10 @@ class MegatronModelWorker:
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step failed on rank {self.rank} (non-finite gradients); lower "
                                f"its learning rate or optimizer.clip_grad, or look for inf/nan in the batch")
+        if self.stage_checkpoints and not self.background_save.reserved and not self.bridge.has_adapters:
+            # the optimizer's state exists now: reserve (pin, on a GPU) the host memory the first
+            # checkpoint stages into while training goes on (an adapter checkpoint's is small)
+            self.background_save.reserve(dist_checkpoint.state_bytes(self.model, self.optimizer))
         if not outputs:
             return None
         metrics = {k: sum(o[k] for o in outputs) for k in outputs[0]}
