@@ -106,6 +106,17 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, 
     assert [p.name for p in sorted(checkpoints.iterdir())] == ["step_000004", "step_000006"]  # keep_last 2
 
 
+def reserved_and_staged(policy) -> list[tuple[int | None, int, int]]:
+    """Per rank: the bytes reserved ahead for the first checkpoint's host copies (None: nothing
+    reserved), the bytes of them handed out, and the bytes of every host copy staged."""
+    def probe(worker):  # a nested function travels by value: the workers cannot import this module
+        save = worker.background_save
+        return (None if save.block is None else save.block.numel(), save.block_used,
+                sum(copy.numel() * copy.element_size() for copy in save.staging.values()))
+
+    return ray.get([actor.__ray_call__.remote(probe) for actor in policy.workers.actors])
+
+
 def test_dist_checkpoint_loads_into_another_tensor_parallel_size(model_workers, make_cfg, tiny_qwen2, tmp_path):
     batch = Batch({"input_ids": torch.randint(0, 300, (8, 10), generator=torch.Generator().manual_seed(1))})
     saved = {}
@@ -118,6 +129,11 @@ def test_dist_checkpoint_loads_into_another_tensor_parallel_size(model_workers, 
             policy.train(batch.with_fields(loss_mask=mask), batch_totals(mask), NextTokenNLL())
             policy.save_checkpoint(str(tmp_path), "dist")
             policy.finish_checkpoint(wait=True)
+            # data-parallel rank 0 writes the state: its copies came out of the block it reserved
+            # after the optimizer step; the other rank writes nothing and reserved nothing
+            (reserved, used, staged), other = reserved_and_staged(policy)
+            assert staged > 0 and used >= staged and reserved - used < 0.01 * reserved  # sized to what it writes
+            assert other == (None, 0, 0)
         else:
             policy.load_checkpoint(str(tmp_path), "dist")
         saved[name] = policy.logprobs(batch)
@@ -213,6 +229,8 @@ def test_distributed_optimizer_resumes_exactly(model_workers, make_cfg, tiny_qwe
         after[name] = policy.logprobs(batch)
         if name == "continued":
             assert policy.finish_checkpoint(wait=True)  # the digests of the files written
+            # its state is gathered to data-parallel rank 0 at the save: no rank could size a reservation
+            assert [reserved for reserved, _, _ in reserved_and_staged(policy)] == [None, None]
     assert torch.equal(after["continued"], after["resumed"])
 
 

@@ -165,6 +165,14 @@ class MegatronModelWorker:
         config.finalize_model_grads_func = finalize_model_grads
         return optimizer
 
+    def _writes_full_state(self) -> bool:
+        """Whether this rank's distributed checkpoint holds its parameters and their optimizer state
+        as they are here: megatron-core writes a replicated tensor from its first holder alone
+        (data-parallel rank 0); a distributed optimizer's state is gathered to that rank at the
+        save instead (a reservation could not be sized from its shard); an adapter's is small."""
+        return (self.mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+                and not self.cfg.use_distributed_optimizer and not self.bridge.has_adapters)
+
     def layout(self) -> dict:
         m = self.mpu
         return {"rank": self.rank, "tp": m.get_tensor_model_parallel_rank(),
@@ -404,9 +412,9 @@ class MegatronModelWorker:
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step failed on rank {self.rank} (non-finite gradients); lower "
                                f"its learning rate or optimizer.clip_grad, or look for inf/nan in the batch")
-        if self.stage_checkpoints and not self.background_save.reserved and not self.bridge.has_adapters:
+        if self.stage_checkpoints and not self.background_save.reserved and self._writes_full_state():
             # the optimizer's state exists now: reserve (pin, on a GPU) the host memory the first
-            # checkpoint stages into while training goes on (an adapter checkpoint's is small)
+            # checkpoint stages into while training goes on
             self.background_save.reserve(dist_checkpoint.state_bytes(self.model, self.optimizer))
         if not outputs:
             return None
