@@ -4,7 +4,6 @@ it redoes draws the same samples (the same rewards, lengths and environment resu
 run did, and its training metrics agree to GPU-atomics noise (a bf16 backward is not bitwise
 repeatable)."""
 
-import json
 import os
 import re
 import signal
@@ -14,6 +13,7 @@ import time
 import psutil
 import pytest
 import ray
+from run_metrics import logged_steps
 
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.launch.run import train
@@ -22,12 +22,6 @@ from rlkit.launch.run import train
 # worker itself would die, as any worker can)
 RUN = ["algorithm.num_steps=5", "checkpoint.every=2", "algorithm.val_every=100", "algorithm.warm_start.sft_steps=20",
        "cluster.call_timeout_s=120", "run.name=gpu_chaos", "generation.vllm.engine_process=true"]
-
-
-def steps_logged(run_dir) -> list[dict]:
-    """The steps the run logged. A line the run is still writing (no newline yet) is not one."""
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
 def engine_processes() -> list[psutil.Process]:
@@ -44,7 +38,7 @@ def test_killed_vllm_engine_is_named_and_the_run_resumes_exactly(ray_cluster, ma
     killed, killed_at = [], []
 
     def kill_the_engine_after_step_3():
-        while not any(m["step"] == 3 for m in steps_logged(run_dir)):
+        while not any(m["step"] == 3 for m in logged_steps(run_dir)):
             time.sleep(0.05)
         for process in engine_processes():
             killed.append(process.pid)
@@ -63,7 +57,7 @@ def test_killed_vllm_engine_is_named_and_the_run_resumes_exactly(ray_cluster, ma
                     r"'send_refit'.*generation worker 0 went away)", message, re.DOTALL), message
     assert after_kill < 30  # not cluster.call_timeout_s (120 s): the dead engine is noticed
     assert "last complete checkpoint is" in message and "step_000002" in message
-    before = {m["step"]: m for m in steps_logged(run_dir)}
+    before = {m["step"]: m for m in logged_steps(run_dir)}
 
     # resumed: from step 2, so step 3 is done again; it must match what the killed run logged
     history = train(*make_cfg(*RUN, f"run.output_dir={tmp_path}")).history

@@ -17,6 +17,7 @@ import pytest
 import ray
 import torch
 from process_tree import ProcessTree
+from run_metrics import last_logged_step
 from transformers import AutoModelForCausalLM
 
 from rlkit.algorithms.objectives import NextTokenNLL
@@ -69,13 +70,6 @@ def kill_when(process, condition, point: str, timeout_s=300):
     assert started.still_alive() == [], f"left running after a SIGKILL {point}"
 
 
-def steps_logged(run_dir) -> int:
-    """The last step the run logged. A line the run is still writing (no newline yet) is not one."""
-    path = run_dir / "metrics.jsonl"
-    complete = path.read_text().split("\n")[:-1] if path.exists() else []
-    return max((json.loads(line)["step"] for line in complete), default=-1)
-
-
 def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, tmp_path, cache_dir):
     """One run killed with SIGKILL at each point in turn (before its first checkpoint, after step 3,
     and while a checkpoint is being written) and started again with the same command each time
@@ -87,8 +81,8 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, 
     run_dir = tmp_path / "grpo_tiny_cpu"
     checkpoints = run_dir / "checkpoints"
     kill_points = {
-        "after step 1": lambda: steps_logged(run_dir) >= 1,
-        "after step 3": lambda: steps_logged(run_dir) >= 3,
+        "after step 1": lambda: last_logged_step(run_dir) >= 1,
+        "after step 3": lambda: last_logged_step(run_dir) >= 3,
         # a checkpoint directory that is still being written (step 4's, after resuming from step 2)
         "while checkpointing": lambda: checkpoints.is_dir() and any(".tmp-" in p.name for p in checkpoints.iterdir()),
     }
@@ -158,7 +152,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     run_dir = killed / "grpo_tiny_lora_cpu"
     command = train_command(killed, cache_dir, recipe="grpo_tiny_lora_cpu")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    kill_when(process, lambda: steps_logged(run_dir) >= 3, "after step 3")
+    kill_when(process, lambda: last_logged_step(run_dir) >= 3, "after step 3")
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert compared(run_dir / "metrics.jsonl") == reference
@@ -202,7 +196,7 @@ def test_a_tool_run_killed_with_sigkill_resumes_exactly(warm_pool, tmp_path_fact
     run_dir = killed / "grpo_tiny_cpu_tools"
     command = train_command(killed, cache_dir, recipe="grpo_tiny_cpu_tools", run=TOOLS_RUN)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    kill_when(process, lambda: steps_logged(run_dir) >= 3, "after step 3")
+    kill_when(process, lambda: last_logged_step(run_dir) >= 3, "after step 3")
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert compared(run_dir / "metrics.jsonl") == reference
@@ -255,7 +249,7 @@ def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_
     run_dir = tmp_path / cfg.run.name
 
     def kill_a_policy_worker():
-        while steps_logged(run_dir) < 2:
+        while last_logged_step(run_dir) < 2:
             time.sleep(0.05)
         # the run's live policy actors (not the session's pooled workers, which have a name), by process id
         actors = ray._private.state.actors().values()
