@@ -110,10 +110,11 @@ def run_variant(variant: str, scale: float) -> dict:
 
         thread = threading.Thread(target=ahead)
         thread.start()
-        # training goes on meanwhile: GPU work from the main thread
-        x = torch.randn(2048, 2048, device=device)
+        # training goes on meanwhile: GPU work from the main thread (a token amount on a CPU)
+        width = 2048 if on_gpu else 64
+        x = torch.randn(width, width, device=device)
         for _ in range(20):
-            x = torch.tanh(x @ x.T / 2048)
+            x = torch.tanh(x @ x.T / width)
         if on_gpu:
             torch.cuda.synchronize()
         thread.join()
