@@ -16,6 +16,7 @@ allocations are per process):
                   serializes a tensor's whole storage, so these cannot be written as they are)
 - block_numpy:    the same block cut into storages of their own through numpy (torch.frombuffer)
 - block_slices:   the same block cut into storages of their own by slicing its untyped storage
+                  (the policy worker's own BackgroundSave, as its checkpoints do)
 
 For each: the seconds the thread took to allocate ahead, the first save's copy (what holds
 training), the second's, and whether a buffer serializes as its own bytes alone. Reported as
@@ -33,8 +34,9 @@ import time
 
 import torch
 
+from rlkit.workers.policy.dist_checkpoint import BackgroundSave, _aligned as aligned
+
 VARIANTS = ["pin_at_save", "pageable", "per_tensor", "block_views", "block_numpy", "block_slices"]
-ALIGN = 64
 
 
 def smollm2_state_shapes(scale: float) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -50,26 +52,22 @@ def smollm2_state_shapes(scale: float) -> list[tuple[tuple[int, ...], torch.dtyp
                                                             torch.float32)]
 
 
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
 def allocate(variant: str, specs: list, pinned: bool) -> list[torch.Tensor]:
     """The host buffers, one per spec, as the variant prepares them."""
     if variant == "per_tensor":
         return [torch.empty(shape, dtype=dtype, pin_memory=pinned) for shape, dtype in specs]
     sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
+    if variant == "block_slices":  # what the policy worker's checkpoints do (rlkit/workers/policy/dist_checkpoint.py)
+        save = BackgroundSave()
+        save.reserve(sum(aligned(n) for n in sizes))
+        save._reserving.join()
+        return [save._new_buffer(torch.empty(shape, dtype=dtype, device="meta")) for shape, dtype in specs]
     block = torch.empty(sum(aligned(n) for n in sizes), dtype=torch.uint8, pin_memory=pinned)
     memory = block.numpy() if variant == "block_numpy" else None
-    storage = block.untyped_storage()
     buffers, offset = [], 0
     for (shape, dtype), nbytes in zip(specs, sizes):
-        if variant == "block_views":
-            part = block[offset:offset + nbytes]
-        elif variant == "block_numpy":
-            part = torch.frombuffer(memory[offset:offset + nbytes], dtype=torch.uint8)
-        else:  # block_slices
-            part = torch.empty(0, dtype=torch.uint8).set_(storage[offset:offset + nbytes], 0, (nbytes,))
+        part = block[offset:offset + nbytes] if variant == "block_views" else \
+            torch.frombuffer(memory[offset:offset + nbytes], dtype=torch.uint8)
         buffers.append(part.view(dtype).view(shape))
         offset += aligned(nbytes)
     return buffers
