@@ -13,7 +13,8 @@ import torch
 from rlkit.algorithms.async_rollouts import PENDING_ROLLOUTS, generation_version
 from rlkit.launch.config import load_config
 from rlkit.launch.run import train
-from test_checkpoint import compared, kill_when, steps_logged
+from run_metrics import last_logged_step
+from test_checkpoint import compared, kill_when
 
 pytestmark = pytest.mark.integration
 ASYNC = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3", "algorithm.prompts_per_step=8",
@@ -64,7 +65,7 @@ def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path, cach
     run_dir = tmp_path / "grpo_async"
     process = subprocess.Popen(train_command(tmp_path, cache_dir, flow), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
-    kill_when(process, lambda: steps_logged(run_dir) >= 3, "after step 3")
+    kill_when(process, lambda: last_logged_step(run_dir) >= 3, "after step 3")
     resumed = subprocess.run(train_command(tmp_path, cache_dir, flow), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "continuing after step 2" in resumed.stderr
