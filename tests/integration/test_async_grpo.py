@@ -4,6 +4,7 @@ differ from the trainer's by the staleness, and a run killed with SIGKILL resume
 uninterrupted run's metrics, the rollouts generated ahead restored from the checkpoint; with
 episodes turn by turn together and each on its own (env_runner.flow)."""
 
+import logging
 import subprocess
 import sys
 
@@ -28,6 +29,12 @@ def train_command(out_dir, cache_dir, flow):
             f"env_runner.flow={flow}", f"run.output_dir={out_dir}", f"run.cache_dir={cache_dir}"]
 
 
+def run_config(out_dir, cache_dir, flow):
+    """The command's config, for the runs this process makes itself."""
+    return load_config("grpo_tiny_cpu", [*ASYNC, f"env_runner.flow={flow}", f"run.output_dir={out_dir}",
+                                         f"run.cache_dir={cache_dir}"])
+
+
 @pytest.fixture(scope="module", params=["per_turn", "per_trajectory"])
 def flow(request):
     return request.param
@@ -36,10 +43,7 @@ def flow(request):
 @pytest.fixture(scope="module")
 def uninterrupted(warm_pool, tmp_path_factory, cache_dir, flow):
     out = tmp_path_factory.mktemp("async_uninterrupted")
-    cfg, resolved = load_config("grpo_tiny_cpu", [*ASYNC, f"env_runner.flow={flow}", f"run.output_dir={out}",
-                                                  f"run.cache_dir={cache_dir}"])
-    train(cfg, resolved, pool=warm_pool)
-    return out / "grpo_async"
+    return train(*run_config(out, cache_dir, flow), pool=warm_pool).run_dir
 
 
 def test_each_step_trains_on_the_scheduled_weight_version(uninterrupted):
@@ -59,14 +63,15 @@ def test_each_step_trains_on_the_scheduled_weight_version(uninterrupted):
     assert {step: rollout.weight_version for step, rollout in pending.items()} == {5: 3, 6: 3}
 
 
-def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path, cache_dir, flow):
+def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, warm_pool, tmp_path, cache_dir, flow, caplog):
     """Killed after step 3: the rollouts of steps 3 and 4 were generated ahead (from version 1)
-    and saved with step 2's checkpoint; the resumed run trains on them, then goes on."""
+    and saved with step 2's checkpoint; the resumed run (the same command, here in this process on
+    the pool's workers: see test_checkpoint.resumed) trains on them, then goes on."""
     run_dir = tmp_path / "grpo_async"
     process = subprocess.Popen(train_command(tmp_path, cache_dir, flow), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     kill_when(process, lambda: last_logged_step(run_dir) >= 3, "after step 3")
-    resumed = subprocess.run(train_command(tmp_path, cache_dir, flow), capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "continuing after step 2" in resumed.stderr
+    with caplog.at_level(logging.INFO, logger="rlkit"):
+        train(*run_config(tmp_path, cache_dir, flow), pool=warm_pool)
+    assert "continuing after step 2" in caplog.text
     assert compared(run_dir / "metrics.jsonl") == compared(uninterrupted / "metrics.jsonl")

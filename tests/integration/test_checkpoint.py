@@ -70,7 +70,15 @@ def kill_when(process, condition, point: str, timeout_s=300):
     assert started.still_alive() == [], f"left running after a SIGKILL {point}"
 
 
-def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, tmp_path, cache_dir):
+def resumed(warm_pool, recipe: str, out_dir, cache_dir, run=tuple(RUN)) -> dict[int, dict]:
+    """The killed run's command, run to its end: in this process on the pool's workers, as
+    test_warm_pool shows a run on reused workers equals one on new ones (what a resume restores
+    comes from the checkpoint either way); the killed runs were commands of their own."""
+    cfg, resolved = load_config(recipe, [*run, f"run.output_dir={out_dir}", f"run.cache_dir={cache_dir}"])
+    return compared(train(cfg, resolved, pool=warm_pool).run_dir / "metrics.jsonl")
+
+
+def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, warm_pool, tmp_path, cache_dir):
     """One run killed with SIGKILL at each point in turn (before its first checkpoint, after step 3,
     and while a checkpoint is being written) and started again with the same command each time
     ends with exactly the metrics of an uninterrupted run."""
@@ -93,9 +101,7 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, 
         process = subprocess.Popen(train_command(tmp_path, cache_dir), stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL, start_new_session=True)
         kill_when(process, condition, point)
-    resumed = subprocess.run(train_command(tmp_path, cache_dir), capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert compared(run_dir / "metrics.jsonl") == reference_run
+    assert resumed(warm_pool, "grpo_tiny_cpu", tmp_path, cache_dir) == reference_run
     assert not any(".tmp-" in p.name for p in checkpoints.iterdir())  # the interrupted write was discarded
     assert [p.name for p in sorted(checkpoints.iterdir())] == ["step_000004", "step_000006"]  # keep_last 2
 
@@ -153,9 +159,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     command = train_command(killed, cache_dir, recipe="grpo_tiny_lora_cpu")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     kill_when(process, lambda: last_logged_step(run_dir) >= 3, "after step 3")
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert compared(run_dir / "metrics.jsonl") == reference
+    assert resumed(warm_pool, "grpo_tiny_lora_cpu", killed, cache_dir) == reference
 
     last = run_dir / "checkpoints" / "step_000006"
     base = json.loads((last / "policy" / "base.json").read_text())["hf_dir"]
@@ -197,9 +201,7 @@ def test_a_tool_run_killed_with_sigkill_resumes_exactly(warm_pool, tmp_path_fact
     command = train_command(killed, cache_dir, recipe="grpo_tiny_cpu_tools", run=TOOLS_RUN)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     kill_when(process, lambda: last_logged_step(run_dir) >= 3, "after step 3")
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert compared(run_dir / "metrics.jsonl") == reference
+    assert resumed(warm_pool, "grpo_tiny_cpu_tools", killed, cache_dir, run=TOOLS_RUN) == reference
 
 
 def test_distributed_optimizer_resumes_exactly(model_workers, make_cfg, tiny_qwen2, tmp_path):

@@ -2,23 +2,31 @@
 (and caches the warm start), prints one line per step and no warnings, stops what it started, and
 run again once finished says so without starting anything."""
 
+import logging
 import subprocess
 import sys
 
 import pytest
 
+from rlkit.launch.config import load_config
+from rlkit.launch.run import train
+
 pytestmark = pytest.mark.integration
 
 
+def _overrides(tmp_path) -> list[str]:
+    return [f"run.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'out'}", "algorithm.num_steps=2",
+            "algorithm.val_every=1", "algorithm.warm_start.sft_steps=2", "algorithm.prompts_per_step=8",
+            "policy.train_global_batch_size=64"]
+
+
 def _train(tmp_path, *overrides):
-    command = [sys.executable, "-m", "rlkit.cli", "train", "--config-name", "grpo_tiny_cpu",
-               f"run.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'out'}",
-               "algorithm.num_steps=2", "algorithm.val_every=1", "algorithm.warm_start.sft_steps=2",
-               "algorithm.prompts_per_step=8", "policy.train_global_batch_size=64", *overrides]
+    command = [sys.executable, "-m", "rlkit.cli", "train", "--config-name", "grpo_tiny_cpu", *_overrides(tmp_path),
+               *overrides]
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
-def test_train_command_runs_and_reuses_its_warm_start(tmp_path):
+def test_train_command_runs_and_reuses_its_warm_start(tmp_path, warm_pool, caplog):
     first = _train(tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     log = first.stderr
@@ -34,10 +42,13 @@ def test_train_command_runs_and_reuses_its_warm_start(tmp_path):
     assert again.returncode == 0 and "grpo_tiny_cpu already finished" in again.stderr, again.stderr[-3000:]
     assert "started a local Ray cluster" not in again.stderr
 
-    second = _train(tmp_path, "run.name=second")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "using the cached SFT checkpoint" in second.stderr
-    assert "running 2 SFT steps" not in second.stderr
+    # a new run of the same warm start loads it (in this process, on the pool's workers: the
+    # command's own start-up is the first one's)
+    cfg, resolved = load_config("grpo_tiny_cpu", [*_overrides(tmp_path), "run.name=second"])
+    with caplog.at_level(logging.INFO, logger="rlkit"):
+        train(cfg, resolved, pool=warm_pool)
+    assert "using the cached SFT checkpoint" in caplog.text
+    assert "running 2 SFT steps" not in caplog.text
 
 
 def test_config_error_exits_before_any_worker(tmp_path):
