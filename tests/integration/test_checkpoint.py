@@ -182,7 +182,10 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
 
 
 # calculator calls over two turns: the warm start teaches the call (the per-trajectory flow's
-# resume: tests/integration/test_async_grpo.py)
+# resume: tests/integration/test_async_grpo.py), not yet the right answers, so the rewards are 0
+# and the weights stay: what this resume must restore is the episodes' (sampling, tool calls,
+# data order); that a resume restores moved weights and optimizer state is the test above's.
+# (An entropy bonus to move them, even at 0.001, undoes the tool calls within three steps.)
 TOOLS_RUN = ("algorithm.num_steps=4", "checkpoint.every=2", "algorithm.val_every=100", "algorithm.prompts_per_step=2",
              "policy.train_global_batch_size=16", "policy.micro_batch_size=8", "algorithm.warm_start.sft_steps=60")
 
