@@ -69,6 +69,30 @@ def warm_pool(ray_cluster):
     pool.shutdown()
 
 
+# three GRPO steps with a KL reference, two generation workers
+THREE_GRPO_STEPS = ("algorithm.num_steps=3", "algorithm.val_every=2", "algorithm.prompts_per_step=8",
+                    "algorithm.group_size=4", "policy.train_global_batch_size=16", "policy.micro_batch_size=4",
+                    "algorithm.kl_coef=0.01", "generation.num_workers=2")
+
+
+@pytest.fixture(scope="session")
+def grpo_on_new_workers(ray_cluster, make_cfg):
+    """THREE_GRPO_STEPS in a placement, on worker processes the run starts and stops itself (no
+    pool), once per session: test_grpo_run checks these runs, test_warm_pool compares pooled ones
+    with them."""
+    from rlkit.launch.run import train
+
+    runs = {}
+
+    def run(placement: str):
+        if placement not in runs:
+            runs[placement] = train(*make_cfg(*THREE_GRPO_STEPS, f"cluster.placement={placement}",
+                                              f"run.name=grpo_{placement}"))
+        return runs[placement]
+
+    return run
+
+
 class ModelWorkerPool:
     """Megatron workers of some model and layout, from the session's pool: each start() gives back
     what the previous one took and sets workers up again (reset), so what an earlier start()

@@ -1,23 +1,17 @@
-"""Three GRPO steps end to end on a real local Ray cluster, in both placements."""
+"""Three GRPO steps end to end on a real local Ray cluster, in both placements, on workers the
+run starts itself (conftest.grpo_on_new_workers)."""
 
 import json
 import math
 
 import pytest
 
-from rlkit.launch.run import train
-
 pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-def test_three_grpo_steps(ray_cluster, make_cfg, placement):
-    cfg, resolved = make_cfg(f"cluster.placement={placement}", "algorithm.num_steps=3", "algorithm.val_every=2",
-                             "algorithm.prompts_per_step=8", "algorithm.group_size=4",
-                             "policy.train_global_batch_size=16", "policy.micro_batch_size=4",
-                             "algorithm.kl_coef=0.01", "generation.num_workers=2",
-                             f"run.name=grpo_{placement}")
-    result = train(cfg, resolved)
+def test_three_grpo_steps(grpo_on_new_workers, placement):
+    result = grpo_on_new_workers(placement)
     assert len(result.history) == 4  # validation before training + 3 steps
     for metrics in result.history[1:]:
         for key in ["train/reward", "train/accuracy", "train/response_length", "train/clip_fraction", "train/kl",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from conftest import THREE_GRPO_STEPS
 
 from rlkit.cluster.setup import start_workers
 from rlkit.cluster.warm_pool import WarmPool
@@ -20,26 +21,19 @@ from rlkit.models.resolve import resolve_model_dir
 
 pytestmark = pytest.mark.integration
 
-SHORT_RUN = ("algorithm.num_steps=1", "algorithm.val_every=1", "algorithm.prompts_per_step=8",
-             "algorithm.group_size=4", "policy.train_global_batch_size=16", "policy.micro_batch_size=4",
-             "generation.num_workers=2", "algorithm.kl_coef=0.01")
-
-
 def without_timings(history: list[dict]) -> list[dict]:
     return [{k: v for k, v in metrics.items() if not k.startswith("timing/")} for metrics in history]
 
 
-def test_a_run_on_reused_workers_equals_one_on_fresh_workers(ray_cluster, make_cfg):
-    fresh = train(*make_cfg(*SHORT_RUN, "run.name=fresh_workers"))
-    pool = WarmPool()
-    try:
-        # the pool's workers first run another seed and layout, then the run under test
-        train(*make_cfg(*SHORT_RUN, "run.seed=7", "cluster.placement=disaggregated", "run.name=pool_first"), pool=pool)
-        started = pool.size
-        reused = train(*make_cfg(*SHORT_RUN, "run.name=pool_second"), pool=pool)
-        assert pool.size == started == 4  # two policy ranks, two generation workers: none started for the second run
-    finally:
-        pool.shutdown()
+def test_a_run_on_reused_workers_equals_one_on_fresh_workers(grpo_on_new_workers, warm_pool, make_cfg):
+    fresh = grpo_on_new_workers("colocated")
+    # the session pool's workers (those of earlier tests, or started here) first run another seed
+    # and layout, then the run under test
+    train(*make_cfg(*THREE_GRPO_STEPS, "run.seed=7", "cluster.placement=disaggregated", "run.name=pool_first"),
+          pool=warm_pool)
+    started = warm_pool.size
+    reused = train(*make_cfg(*THREE_GRPO_STEPS, "run.name=pool_second"), pool=warm_pool)
+    assert warm_pool.size == started  # the second run started no process
     assert without_timings(reused.history) == without_timings(fresh.history)
 
 
@@ -91,23 +85,21 @@ def _process_group_and_gloo_threads(worker) -> tuple[bool, int]:
     return ray.get(worker.__ray_call__.remote(look), timeout=60)
 
 
-def test_an_idle_policy_worker_holds_no_process_group(ray_cluster, make_cfg):
+def test_an_idle_policy_worker_holds_no_process_group(warm_pool, make_cfg):
     """Given back, a Megatron worker leaves its process groups and frees them at once, however many
     runs it served: idle, it runs almost none of their gloo threads, which keep waking up (kept,
     they cost idle workers several percent of a core each, more with every run)."""
     cfg, _ = make_cfg("policy.num_workers=2", "generation.num_workers=1")
     model_dir = str(resolve_model_dir(cfg))
-    pool = WarmPool()
-    try:
-        for _ in range(3):
-            run = start_workers(cfg, model_dir, pool=pool)
-            policy = run.policy.workers.actors[0]
-            in_group, threads_in_run = _process_group_and_gloo_threads(policy)
-            run.shutdown()
-            still_in_group, threads_idle = _process_group_and_gloo_threads(policy)
-            print(f"gloo threads: {threads_in_run} in the run, {threads_idle} idle")
-            assert in_group and not still_in_group
-            assert threads_idle < threads_in_run / 3
-        assert pool.size == 3  # the same workers each time
-    finally:
-        pool.shutdown()
+    sizes = []
+    for _ in range(3):
+        run = start_workers(cfg, model_dir, pool=warm_pool)
+        policy = run.policy.workers.actors[0]
+        in_group, threads_in_run = _process_group_and_gloo_threads(policy)
+        run.shutdown()
+        still_in_group, threads_idle = _process_group_and_gloo_threads(policy)
+        print(f"gloo threads: {threads_in_run} in the run, {threads_idle} idle")
+        assert in_group and not still_in_group
+        assert threads_idle < threads_in_run / 3
+        sizes.append(warm_pool.size)
+    assert sizes[0] == sizes[1] == sizes[2]  # the same workers each time
