@@ -81,7 +81,7 @@ def own_recipes(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_an_algorithm_from_one_module_and_one_yaml_trains(ray_cluster, own_recipes, cache_dir):
+def test_an_algorithm_from_one_module_and_one_yaml_trains(warm_pool, own_recipes, cache_dir):
     overrides = ["algorithm=sign_advantages", f"run.cache_dir={cache_dir}", f"run.output_dir={own_recipes / 'out'}",
                  "algorithm.num_steps=2", "algorithm.val_every=2", "algorithm.prompts_per_step=8",
                  "algorithm.group_size=4", "policy.train_global_batch_size=16", "policy.micro_batch_size=4",
@@ -90,7 +90,7 @@ def test_an_algorithm_from_one_module_and_one_yaml_trains(ray_cluster, own_recip
         load_config("grpo_tiny_cpu", [*overrides, "algorithm.margin=-1"], own_recipes)
     cfg, resolved = load_config("grpo_tiny_cpu", overrides, own_recipes)
     assert type(cfg.algorithm).__name__ == "SignConfig" and cfg.algorithm.margin == 0.0
-    history = train(cfg, resolved).history
+    history = train(cfg, resolved, pool=warm_pool).history  # the driver and the environment workers import it
     assert [m["step"] for m in history] == [0, 1, 2]
     for metrics in history[1:]:  # the sign advantages moved the policy, and refit kept up with it
         assert metrics["train/grad_norm"] > 0 and metrics["refit/logprob_abs_error_max"] < 1e-4
