@@ -9,13 +9,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from transformers import AutoTokenizer
 
 from rlkit.algorithms.episodes import run_episodes
 from rlkit.cluster.groups import GenerationWorkers
-from rlkit.cluster.worker_group import WorkerGroup
 from rlkit.data.generation import SamplingParams
 from rlkit.data.prompts import Prompt, PromptRenderer
 from rlkit.envs.runner import EnvironmentPool
@@ -46,17 +44,17 @@ SLOW_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def engine(ray_cluster, make_cfg, tiny_qwen2):
-    """One HF engine (its random weights are the tiny model's config's; one engine, so every
-    request meets the same weights), the renderer and the run's config."""
+def engine(warm_pool, make_cfg, tiny_qwen2):
+    """One HF engine from the session's pool (its random weights are the tiny model's config's; one
+    engine, so every request meets the same weights), the renderer and the run's config."""
     # three environment workers: the slow prompt's two episodes hold two, the other episodes share the third
     cfg, _ = make_cfg("env_runner.max_turns=3", "env_runner.num_workers=3")
-    actor = ray.remote(HFGenerationWorker).options(num_cpus=0).remote(
-        model_dir=str(tiny_qwen2), precision="fp32", threads=1, rank=0)
-    generation = GenerationWorkers(WorkerGroup("generation", [actor], cfg.cluster.call_timeout_s))
+    workers = warm_pool.take("generation", HFGenerationWorker, "",
+                             lambda rank: dict(model_dir=str(tiny_qwen2), precision="fp32", threads=1, rank=rank),
+                             1, cfg.cluster.call_timeout_s)
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
-    yield generation, PromptRenderer.of(tokenizer, cfg.data, cfg.env_runner.observation_format), cfg
-    ray.kill(actor)
+    yield GenerationWorkers(workers), PromptRenderer.of(tokenizer, cfg.data, cfg.env_runner.observation_format), cfg
+    warm_pool.give_back(workers)
 
 
 @pytest.fixture
