@@ -14,6 +14,7 @@ shard where it lives, and training reads it, so token tensors cross the controll
 import functools
 import gc
 import os
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -658,6 +659,7 @@ class MegatronModelWorker:
         if dist.is_initialized():
             assert not self.background_save.pending, "a checkpoint is still being written (finish_checkpoint)"
             self.mpu.destroy_model_parallel()
+            _drop_megatron_group_holders(self.mpu)
             dist.destroy_process_group()
         self.__dict__.clear()
         # the model and optimizer reach their process groups through reference cycles: until a full
@@ -675,6 +677,19 @@ class MegatronModelWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         os._exit(0)
+
+
+def _drop_megatron_group_holders(mpu) -> None:
+    """What still holds a run's process groups after megatron-core 0.16's destroy_model_parallel,
+    each group keeping its gloo threads (and rank 0 its store's server thread) alive: two groups it
+    does not reset, and the rotary embeddings' forward, an lru_cache keyed by the module, whose
+    entries keep every run's rotary module (and its context-parallel group) until 32 are cached."""
+    mpu._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
+    mpu._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = None
+    for module, cls in [("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding"),
+                        ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding")]:
+        if module in sys.modules:  # imported only by the models that use it
+            getattr(sys.modules[module], cls).forward.cache_clear()
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
