@@ -85,25 +85,26 @@ def _process_group_and_gloo_threads(worker) -> tuple[bool, int]:
     return ray.get(worker.__ray_call__.remote(look), timeout=60)
 
 
-def test_an_idle_policy_worker_holds_no_process_group(warm_pool, make_cfg):
+def test_an_idle_policy_worker_holds_no_process_group(ray_cluster, make_cfg):
     """Given back, a Megatron worker leaves its process groups and frees them at once, however many
-    runs it served (in the session's pool, those of the tests before this one): idle, it runs none
-    of their gloo threads, which keep waking up (kept, they cost idle workers several percent of a
-    core each, more with every run). Each run here does a forward, whose rotary embeddings
-    megatron-core caches with their process group."""
+    runs it served: idle, it runs none of their gloo threads, which keep waking up (kept, they cost
+    idle workers several percent of a core each, more with every run). Each run here does a
+    forward, whose rotary embeddings megatron-core caches with their process group."""
     cfg, _ = make_cfg("policy.num_workers=2", "generation.num_workers=1")
     model_dir = str(resolve_model_dir(cfg))
     batch = Batch({"input_ids": torch.randint(0, 300, (4, 6), generator=torch.Generator().manual_seed(0))})
-    sizes = []
-    for _ in range(3):
-        run = start_workers(cfg, model_dir, pool=warm_pool)
-        run.policy.logprobs(batch)
-        policy = run.policy.workers.actors[0]
-        in_group, threads_in_run = _process_group_and_gloo_threads(policy)
-        run.shutdown()
-        still_in_group, threads_idle = _process_group_and_gloo_threads(policy)
-        print(f"gloo threads: {threads_in_run} in the run, {threads_idle} idle")
-        assert in_group and not still_in_group
-        assert threads_in_run > 0 and threads_idle == 0
-        sizes.append(warm_pool.size)
-    assert sizes[0] == sizes[1] == sizes[2]  # the same workers each time
+    pool = WarmPool()
+    try:
+        for _ in range(3):
+            run = start_workers(cfg, model_dir, pool=pool)
+            run.policy.logprobs(batch)
+            policy = run.policy.workers.actors[0]
+            in_group, threads_in_run = _process_group_and_gloo_threads(policy)
+            run.shutdown()
+            still_in_group, threads_idle = _process_group_and_gloo_threads(policy)
+            print(f"gloo threads: {threads_in_run} in the run, {threads_idle} idle")
+            assert in_group and not still_in_group
+            assert threads_in_run > 0 and threads_idle == 0
+        assert pool.size == 3  # the same workers each time
+    finally:
+        pool.shutdown()
