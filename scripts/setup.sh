@@ -9,7 +9,7 @@ STAMP=.venv/.rlkit-setup  # what the last complete install was made from
 WANTED=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 # rlkit's modules as bytecode, as pip leaves an installed package's: an editable install's are
 # compiled by each process that imports them, and every one compiles them again where
-# PYTHONDONTWRITEBYTECODE is set (0.7 s of CPU per Ray worker). Stale ones are redone.
+# PYTHONDONTWRITEBYTECODE is set (0.3-0.5 s of CPU per worker process). Stale ones are redone.
 compile_rlkit() { .venv/bin/python -m compileall -q rlkit >/dev/null; }
 if [ -x .venv/bin/rlkit ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANTED" ] && command -v bwrap >/dev/null; then
   compile_rlkit

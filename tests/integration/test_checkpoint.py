@@ -40,6 +40,15 @@ def compared(metrics_file) -> dict[int, dict]:
                         and k != "refit/buckets"} for r in rows}
 
 
+def run_in_process(warm_pool, recipe: str, out_dir, cache_dir, run=tuple(RUN)) -> dict[int, dict]:
+    """train_command's run, to its end (or, after a kill, resumed to its end), in this process on
+    the pool's workers: test_warm_pool shows a run on reused workers equals one on new ones, and
+    what a resume restores comes from the checkpoint either way. The runs the tests kill are
+    commands of their own. Returns compared() of its metrics."""
+    cfg, resolved = load_config(recipe, [*run, f"run.output_dir={out_dir}", f"run.cache_dir={cache_dir}"])
+    return compared(train(cfg, resolved, pool=warm_pool).run_dir / "metrics.jsonl")
+
+
 def train_command(out_dir, cache_dir, *extra, recipe="grpo_tiny_cpu", run=tuple(RUN)):
     return [sys.executable, "-m", "rlkit.cli", "train", "--config-name", recipe, *run,
             f"run.output_dir={out_dir}", f"run.cache_dir={cache_dir}", *extra]
@@ -49,10 +58,7 @@ def train_command(out_dir, cache_dir, *extra, recipe="grpo_tiny_cpu", run=tuple(
 def reference_run(warm_pool, tmp_path_factory, cache_dir):
     """The same run uninterrupted, in this process on the session's cluster (the numbers do not
     depend on which cluster runs it)."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    cfg, resolved = load_config("grpo_tiny_cpu", [*RUN, f"run.output_dir={out}", f"run.cache_dir={cache_dir}"])
-    train(cfg, resolved, pool=warm_pool)
-    return compared(out / "grpo_tiny_cpu" / "metrics.jsonl")
+    return run_in_process(warm_pool, "grpo_tiny_cpu", tmp_path_factory.mktemp("uninterrupted"), cache_dir)
 
 
 def kill_when(process, condition, point: str, timeout_s=300):
@@ -68,14 +74,6 @@ def kill_when(process, condition, point: str, timeout_s=300):
     process.wait()
     assert any("MegatronModelWorker" in command for _, command in started.processes.values()), point
     assert started.still_alive() == [], f"left running after a SIGKILL {point}"
-
-
-def resumed(warm_pool, recipe: str, out_dir, cache_dir, run=tuple(RUN)) -> dict[int, dict]:
-    """The killed run's command, run to its end: in this process on the pool's workers, as
-    test_warm_pool shows a run on reused workers equals one on new ones (what a resume restores
-    comes from the checkpoint either way); the killed runs were commands of their own."""
-    cfg, resolved = load_config(recipe, [*run, f"run.output_dir={out_dir}", f"run.cache_dir={cache_dir}"])
-    return compared(train(cfg, resolved, pool=warm_pool).run_dir / "metrics.jsonl")
 
 
 def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, warm_pool, tmp_path, cache_dir):
@@ -101,7 +99,7 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, 
         process = subprocess.Popen(train_command(tmp_path, cache_dir), stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL, start_new_session=True)
         kill_when(process, condition, point)
-    assert resumed(warm_pool, "grpo_tiny_cpu", tmp_path, cache_dir) == reference_run
+    assert run_in_process(warm_pool, "grpo_tiny_cpu", tmp_path, cache_dir) == reference_run
     assert not any(".tmp-" in p.name for p in checkpoints.iterdir())  # the interrupted write was discarded
     assert [p.name for p in sorted(checkpoints.iterdir())] == ["step_000004", "step_000006"]  # keep_last 2
 
@@ -149,17 +147,15 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     cluster: the command's own start-up is the one above) into the merged model."""
     from peft import PeftModel
 
-    uninterrupted, killed = tmp_path_factory.mktemp("lora_uninterrupted"), tmp_path_factory.mktemp("lora_killed")
-    cfg, resolved = load_config("grpo_tiny_lora_cpu", [*RUN, f"run.output_dir={uninterrupted}",
-                                                       f"run.cache_dir={cache_dir}"])
-    train(cfg, resolved, pool=warm_pool)
-    reference = compared(uninterrupted / "grpo_tiny_lora_cpu" / "metrics.jsonl")
+    killed = tmp_path_factory.mktemp("lora_killed")
+    reference = run_in_process(warm_pool, "grpo_tiny_lora_cpu", tmp_path_factory.mktemp("lora_uninterrupted"),
+                               cache_dir)
     assert all(reference[step]["train/grad_norm"] > 0 for step in range(1, 7))
     run_dir = killed / "grpo_tiny_lora_cpu"
     command = train_command(killed, cache_dir, recipe="grpo_tiny_lora_cpu")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     kill_when(process, lambda: last_logged_step(run_dir) >= 3, "after step 3")
-    assert resumed(warm_pool, "grpo_tiny_lora_cpu", killed, cache_dir) == reference
+    assert run_in_process(warm_pool, "grpo_tiny_lora_cpu", killed, cache_dir) == reference
 
     last = run_dir / "checkpoints" / "step_000006"
     base = json.loads((last / "policy" / "base.json").read_text())["hf_dir"]
@@ -195,17 +191,15 @@ def test_a_tool_run_killed_with_sigkill_resumes_exactly(warm_pool, tmp_path_fact
     """grpo_tiny_cpu_tools (tool calls parsed and run, their results appended as tool messages)
     killed after step 3 and started again ends with exactly the metrics of the same run
     uninterrupted, the tool-call counts and rewards included."""
-    uninterrupted, killed = tmp_path_factory.mktemp("tools_uninterrupted"), tmp_path_factory.mktemp("tools_killed")
-    cfg, resolved = load_config("grpo_tiny_cpu_tools", [*TOOLS_RUN, f"run.output_dir={uninterrupted}",
-                                                        f"run.cache_dir={cache_dir}"])
-    train(cfg, resolved, pool=warm_pool)
-    reference = compared(uninterrupted / "grpo_tiny_cpu_tools" / "metrics.jsonl")
+    killed = tmp_path_factory.mktemp("tools_killed")
+    reference = run_in_process(warm_pool, "grpo_tiny_cpu_tools", tmp_path_factory.mktemp("tools_uninterrupted"),
+                               cache_dir, run=TOOLS_RUN)
     assert all(reference[step]["tools/calls"] > 0 for step in range(1, 5))  # the warm start taught the call
     run_dir = killed / "grpo_tiny_cpu_tools"
     command = train_command(killed, cache_dir, recipe="grpo_tiny_cpu_tools", run=TOOLS_RUN)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     kill_when(process, lambda: last_logged_step(run_dir) >= 3, "after step 3")
-    assert resumed(warm_pool, "grpo_tiny_cpu_tools", killed, cache_dir, run=TOOLS_RUN) == reference
+    assert run_in_process(warm_pool, "grpo_tiny_cpu_tools", killed, cache_dir, run=TOOLS_RUN) == reference
 
 
 def test_distributed_optimizer_resumes_exactly(model_workers, make_cfg, tiny_qwen2, tmp_path):
