@@ -656,6 +656,7 @@ class MegatronModelWorker:
         memory. Only reset() may follow."""
         if not self.__dict__:  # released already (given back, now taken again): no second full collection
             return
+        _drop_kept_graphs(getattr(self, "model", None) or [])
         if dist.is_initialized():
             assert not self.background_save.pending, "a checkpoint is still being written (finish_checkpoint)"
             self.mpu.destroy_model_parallel()
@@ -677,6 +678,21 @@ class MegatronModelWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         os._exit(0)
+
+
+def _drop_kept_graphs(chunks: list[torch.nn.Module]) -> None:
+    """Drop the tensors with an autograd graph that modules (or their helpers) keep after a step:
+    megatron-core's MoE token dispatcher keeps its last routing probs. Such a graph reaches the
+    gradient hooks of the DDP wrapper, and so the whole model: a cycle through autograd's C++ nodes
+    that no garbage collection frees, so a pooled worker would keep every MoE model it trained."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            helpers = [v for v in vars(module).values()
+                       if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type))]
+            for holder in (module, *helpers):
+                for name, value in list(vars(holder).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(holder, name, None)
 
 
 def _drop_megatron_group_holders(mpu) -> None:
