@@ -46,7 +46,8 @@ def worker_line(line: str) -> str:
 
 
 def test_local_cluster_output_to_a_file_is_plain(monkeypatch, token_log):
-    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "")  # recorded, so the setting the run makes is undone after
+    monkeypatch.delenv("RAY_COLOR_PREFIX")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(sys, "stdout", io.StringIO())  # e.g. `rlkit train ... > run.log`
     assert "\x1b[" in worker_line("hello")  # Ray's default, which the run must turn off
