@@ -63,7 +63,7 @@ class RefitDriver:
         if cfg.refit.transport == "nccl":
             self.transfer = NcclTransfer(policy, generation, placement_group, channel_host,
                                          broadcast_groups(cfg.refit.broadcast_groups, len(policy.workers),
-                                                          len(generation.workers), engine_gpus(cfg)))
+                                                          len(generation.workers), engine_gpus(cfg)), cfg.refit.delta)
         elif cfg.refit.transport == "cuda_ipc":
             self.transfer = CudaIpcTransfer(policy, generation, placement_group, channel_host)
         else:
@@ -138,17 +138,9 @@ class ObjectStoreTransfer:
 
     def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
         start = time.perf_counter()
-        sender, received = self._move(plan, verify_checksums)
-        failures = _delta_failures(received)
-        if failures:
-            log.warning("refit: %s; redoing this refit dense", failures[0])
-            sender, received = self._move(plan, verify_checksums)
-            again = _delta_failures(received)
-            if again:
-                raise RefitIntegrityError(f"{again[0]}, also when the refit was redone dense: the buckets are "
-                                          "corrupted in transit")
+        sender, received, redone = _redone_dense_on_failure(lambda: self._move(plan, verify_checksums))
         metrics = _metrics(plan, time.perf_counter() - start, sender, received)
-        return {**metrics, "refit/delta_redone": float(bool(failures))} if self.delta else metrics
+        return {**metrics, "refit/delta_redone": redone} if self.delta else metrics
 
     def _move(self, plan: RefitPlan, verify_checksums: bool) -> tuple[dict, list[dict]]:
         """Every bucket from policy rank 0 to every generation worker: the sender's stats and the
@@ -168,6 +160,23 @@ class ObjectStoreTransfer:
         return self.policy.every_rank(Policy.refit_stats)[0], received
 
 
+def _redone_dense_on_failure(move) -> tuple[dict, list[dict], float]:
+    """move() -> (the sender's stats, the workers' reports), once more if a worker's delta failed:
+    that worker dropped its copies, so the second move is dense; one that fails too is an error.
+    Also returns 1.0 if it was redone."""
+    sender, received = move()
+    failures = _delta_failures(received)
+    if not failures:
+        return sender, received, 0.0
+    log.warning("refit: %s; redoing this refit dense", failures[0])
+    sender, received = move()
+    again = _delta_failures(received)
+    if again:
+        raise RefitIntegrityError(f"{again[0]}, also when the refit was redone dense: the buckets are "
+                                  "corrupted in transit")
+    return sender, received, 1.0
+
+
 def _delta_failures(received: list[dict]) -> list[str]:
     """The workers' delta failures (each names the worker and the bucket), taken out of their reports."""
     return [report.pop(DELTA_FAILURE) for report in received if DELTA_FAILURE in report]
@@ -176,16 +185,24 @@ def _delta_failures(received: list[dict]) -> list[str]:
 class _ChannelTransfer:
     """A refit is one call to the policy's senders; the generation workers are told their
     weights change in parallel (their prefix cache is reset at the next generate), which costs
-    the refit nothing."""
+    the refit nothing. With `delta` (refit.delta; nccl) the senders send each bucket's encoding
+    against the version they sent last, and a failed delta is redone dense, as
+    ObjectStoreTransfer does."""
+
+    delta = False
 
     def __call__(self, plan: RefitPlan, verify_checksums: bool) -> dict:
         start = time.perf_counter()
-        sends = self.policy.submit(Policy.send_refit, plan, verify_checksums)
         marks = self.generation.submit(VLLMGenerationWorker.weights_changing)
-        sent = self.policy.wait(sends, "send_refit")
+        sender, received, redone = _redone_dense_on_failure(lambda: self._send(plan, verify_checksums))
         seconds = time.perf_counter() - start
         self.generation.wait(marks, "weights_changing")
-        return _metrics(plan, seconds, sent[0], [r for rank in sent for r in rank.get("received", [])])
+        metrics = _metrics(plan, seconds, sender, received)
+        return {**metrics, "refit/delta_redone": redone} if self.delta else metrics
+
+    def _send(self, plan: RefitPlan, verify_checksums: bool) -> tuple[dict, list[dict]]:
+        sent = self.policy.wait(self.policy.submit(Policy.send_refit, plan, verify_checksums, self.delta), "send_refit")
+        return sent[0], [r for rank in sent for r in rank.get("received", [])]
 
     def _start_receivers(self, transport: str, senders: dict[str, tuple], timeout_s: float):
         """Every process of every engine serves refits from the sender that senders names for
@@ -212,8 +229,9 @@ class NcclTransfer(_ChannelTransfer):
     own copy of every bucket."""
 
     def __init__(self, policy: ModelWorkers, generation: GenerationWorkers, placement_group, channel_host: str,
-                 groups: list[BroadcastGroup]):
+                 groups: list[BroadcastGroup], delta: bool = False):
         self.policy, self.generation = policy.workers, generation.workers
+        self.delta = delta
         if channel_host == "loopback":
             _check_one_node(self.policy, self.generation, groups)
         timeout_s = self.policy.timeout_s / 2

@@ -478,16 +478,13 @@ def _validate_rollout_transport(cfg: RootConfig) -> None:
 
 def _validate_delta_refit(cfg: RootConfig) -> None:
     """refit.delta shrinks the bytes that cross a link from policy to generation: the object store's
-    (cpu) now, nccl's later; cuda_ipc crosses none."""
+    (cpu) or nccl's; cuda_ipc crosses none."""
     r = cfg.refit
     if not r.delta:
         return
     if r.transport == "cuda_ipc":
         raise ConfigError("refit.delta: no gain on one GPU: refit.transport=cuda_ipc hands each bucket to the engine "
                           "on the same GPU without copying it over any link; set refit.delta=false")
-    if r.transport != "cpu":
-        raise ConfigError(f"refit.delta: works with refit.transport=cpu only so far (got: {r.transport!r}); set "
-                          "refit.delta=false")
     if r.peft == "adapter":
         raise ConfigError("refit.delta: refit.peft=adapter moves the LoRA adapters alone, never the weights' "
                           "buckets; set refit.delta=false, or refit.peft=merged")

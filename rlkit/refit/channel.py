@@ -33,6 +33,7 @@ class RefitStart:
     plan: RefitPlan | None  # None: the plan of this channel's previous refit
     verify: bool
     setup: object = None  # transport-specific, e.g. cuda_ipc's slot handles when they change
+    delta: bool = False  # refit.delta: buckets travel as frames of their encodings (rlkit/refit/delta.py)
 
 
 CLOSING = "closing"  # the sender's last message on a channel it closes for good: receivers end
@@ -143,10 +144,10 @@ class ChannelServer:
             self._last_plan = None
         return fresh
 
-    def begin(self, plan: RefitPlan, verify: bool, setup: object = None) -> list[Channel]:
+    def begin(self, plan: RefitPlan, verify: bool, setup: object = None, delta: bool = False) -> list[Channel]:
         """Tells every receiver (accepted by accept_receivers()) that a refit starts; the plan travels
         only when it changed. Returns the channels in the order the receivers connected."""
-        start = RefitStart(None if plan == self._last_plan else plan, verify, setup)
+        start = RefitStart(None if plan == self._last_plan else plan, verify, setup, delta)
         for channel in self._channels:
             channel.send(start)
         self._last_plan = plan

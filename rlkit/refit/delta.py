@@ -15,7 +15,7 @@ still compares like with like.
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Literal
 
 import torch
@@ -97,18 +97,29 @@ def encode(previous: torch.Tensor | None, current: PackedBucket, bucket: Bucket,
     return EncodedBucket(current.index, encoding, width, words, changed, positions, values, checksum)
 
 
-def apply(previous: torch.Tensor | None, encoded: EncodedBucket) -> torch.Tensor:
-    """The full flat uint8 bucket `encoded` stands for, in a new tensor (previous is untouched),
-    checked against its checksum when it carries one."""
+def apply(previous: torch.Tensor | None, encoded: EncodedBucket, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The full flat uint8 bucket `encoded` stands for, checked against its checksum when it
+    carries one: in a new tensor, or rebuilt in `out` (a buffer of the bucket's size on the
+    encoding's device, which may hold the encoding itself: a transport's receive buffer).
+    previous (on any device) is untouched."""
     if encoded.encoding == "dense":
-        rebuilt = encoded.values.clone()
+        if out is None:
+            rebuilt = encoded.values.clone()
+        else:
+            rebuilt = out[:encoded.dense_bytes]
+            if encoded.values.data_ptr() != rebuilt.data_ptr():
+                rebuilt.copy_(encoded.values)
     else:
         if previous is None or previous.numel() != encoded.dense_bytes:
             held = "nothing" if previous is None else f"{previous.numel()} bytes"
             raise RefitIntegrityError(f"refit: bucket {encoded.index} arrived as a delta of {encoded.dense_bytes} "
                                       f"bytes but this receiver holds {held} to apply it to; it needs a dense "
                                       "refit first")
-        rebuilt = previous.clone()
+        if out is None:
+            rebuilt = previous.clone()
+        else:  # the encoding may sit in out: taken out before the base overwrites it
+            encoded = replace(encoded, positions=encoded.positions.clone(), values=encoded.values.clone())
+            rebuilt = out[:encoded.dense_bytes].copy_(previous)
         rebuilt_words = rebuilt.view(_WORD_DTYPES[encoded.word_bytes])
         positions = (encoded.positions if encoded.encoding == "indices"
                      else _unpack_bits(encoded.positions, encoded.words))
@@ -128,6 +139,54 @@ def apply(previous: torch.Tensor | None, encoded: EncodedBucket) -> torch.Tensor
                                       "the bytes were corrupted in transit or the delta's base differs from the "
                                       "sender's; the next refit must be dense")
     return rebuilt
+
+
+FRAME_HEADER_WORDS = 9
+_ENCODINGS: tuple[Encoding, ...] = ("dense", "indices", "bitmap")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """An EncodedBucket as a transport that moves raw bytes carries it (nccl): a fixed-size
+    header of int64 words, sent first because it says how many payload bytes follow (its first
+    word), then the payload. `room`: on the receiving side, the transport's buffer of the whole
+    bucket whose first bytes hold the payload, for the bucket to be rebuilt in."""
+    index: int
+    header: tuple[int, ...]
+    payload: torch.Tensor  # flat uint8
+    room: torch.Tensor | None = None
+
+
+def frame(encoded: EncodedBucket) -> Frame:
+    """A dense encoding's payload is its buffer, uncopied; a delta's is its positions' bytes,
+    zero-padded to a multiple of 8 (so the values that follow can be viewed as words), then its
+    values'."""
+    if encoded.encoding == "dense":
+        payload, position_bytes, index_bytes = encoded.values, 0, 0
+    else:
+        positions = encoded.positions.view(torch.uint8)
+        position_bytes = -(-positions.numel() // 8) * 8
+        payload = torch.cat([F.pad(positions, (0, position_bytes - positions.numel())),
+                             encoded.values.view(torch.uint8)])
+        index_bytes = encoded.positions.element_size() if encoded.encoding == "indices" else 0
+    header = (payload.numel(), _ENCODINGS.index(encoded.encoding), encoded.word_bytes, encoded.words, encoded.changed,
+              position_bytes, index_bytes, int(encoded.checksum is not None), encoded.checksum or 0)
+    return Frame(encoded.index, header, payload)
+
+
+def unframe(received: Frame) -> EncodedBucket:
+    """The EncodedBucket a frame carries, its tensors views of the payload."""
+    nbytes, encoding, width, words, changed, position_bytes, index_bytes, has_checksum, checksum = received.header
+    checksum = checksum if has_checksum else None
+    encoding = _ENCODINGS[encoding]
+    if encoding == "dense":
+        return EncodedBucket(received.index, "dense", width, words, changed, None, received.payload[:nbytes], checksum)
+    if encoding == "indices":
+        positions = received.payload[:changed * index_bytes].view(_WORD_DTYPES[index_bytes])
+    else:
+        positions = received.payload[:-(-words // 8)]
+    values = received.payload[position_bytes:position_bytes + changed * width].view(_WORD_DTYPES[width])
+    return EncodedBucket(received.index, encoding, width, words, changed, positions, values, checksum)
 
 
 def delta_metrics(encoded: Iterable[EncodedBucket]) -> dict[str, float]:
@@ -209,21 +268,22 @@ class DeltaReceiver:
         self.failure, self.seconds = None, None
         return len(self._held) == len(plan.buckets)
 
-    def rebuild(self, encoded: EncodedBucket) -> torch.Tensor | None:
-        """The full bucket `encoded` stands for (checked against the checksum it carries), held for
-        the next refit; None once a bucket of this refit failed: the refit is redone dense, so the
-        rest need no work."""
+    def rebuild(self, encoded: EncodedBucket, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The full bucket `encoded` stands for (checked against the checksum it carries; rebuilt
+        in `out` if given, see apply), held for the next refit in host memory; None once a bucket of
+        this refit failed: the refit is redone dense, so the rest need no work."""
         if self.failure is not None:
             return None
         start = time.perf_counter()
         try:
-            rebuilt = apply(self._held.pop(encoded.index, None), encoded)
+            rebuilt = apply(self._held.pop(encoded.index, None), encoded, out)
+            # a receiver's buffer is reused for the next buckets, and a GPU's memory is the engine's
+            self._held[encoded.index] = rebuilt if out is None else rebuilt.to("cpu", copy=True)
         except RefitIntegrityError as error:
             self.failure, self._held = str(error), {}
             return None
         finally:
             self.seconds = (self.seconds or 0.0) + time.perf_counter() - start
-        self._held[encoded.index] = rebuilt
         return rebuilt
 
     def end(self) -> None:

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from rlkit.refit.channel import Channel, ChannelThread, RefitStart
-from rlkit.refit.delta import DeltaReceiver, EncodedBucket
+from rlkit.refit.delta import DeltaReceiver, EncodedBucket, Frame, unframe
 from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan
 
 # the key of a receiver's report that says its delta failed: the worker, the bucket and why
@@ -77,10 +77,7 @@ class ObjectStoreReceiver:
             raise RefitIntegrityError(f"refit incomplete on {self.name}: buckets {sorted(self._pending)} never arrived")
         self._plan = None
         self._delta.end()
-        report = {} if self._delta.seconds is None else {"timing/refit_delta_apply": self._delta.seconds}
-        if self._delta.failure is not None:
-            report[DELTA_FAILURE] = f"{self.name}: {self._delta.failure}"
-        return report
+        return _delta_report(self._delta, self.name)
 
 
 class StandingReceiver:
@@ -90,8 +87,9 @@ class StandingReceiver:
 
     def __init__(self, transport, get_model: Callable[[], torch.nn.Module], address: tuple, name: str,
                  timeout_s: float):
-        self.transport, self.get_model = transport, get_model
+        self.transport, self.get_model, self.name = transport, get_model, name
         self._replay = None
+        self._delta = DeltaReceiver()  # refit.delta: the buckets as rebuilt last, in host memory
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self.thread = ChannelThread(address, name, self.serve, device, timeout_s)
 
@@ -105,11 +103,36 @@ class StandingReceiver:
         return self._replay
 
     def serve(self, channel: Channel, plan: RefitPlan, start: RefitStart) -> dict:
+        """One refit. With start.delta (refit.delta) this receiver first tells the sender whether it
+        holds every bucket as last sent; each bucket's frame is then rebuilt from that copy, in the
+        transport's buffer, and loaded from there like a dense bucket. A delta that does not
+        rebuild its bucket is not loaded but reported (DELTA_FAILURE), and the driver redoes the
+        refit dense."""
         replay = self._loader(plan)
         if start.setup is not None:  # new transfer buffers: the replay's views of the old ones go
             replay.release_buffers()
-        self.transport.receive(channel, plan, start, lambda packed: replay.load(packed, start.verify))
-        return {"refit/replayable_fraction": replay.replayable_fraction}
+        if not start.delta:
+            self.transport.receive(channel, plan, start, lambda packed: replay.load(packed, start.verify))
+            return {"refit/replayable_fraction": replay.replayable_fraction}
+
+        def load(received: Frame):
+            rebuilt = self._delta.rebuild(unframe(received), received.room)  # checked against its checksum
+            if rebuilt is not None:
+                replay.load(PackedBucket(received.index, rebuilt, None), verify=False)
+
+        channel.send(self._delta.begin(plan))
+        self.transport.receive(channel, plan, start, load)
+        self._delta.end()
+        return {"refit/replayable_fraction": replay.replayable_fraction, **_delta_report(self._delta, self.name)}
+
+
+def _delta_report(delta: DeltaReceiver, name: str) -> dict:
+    """A receiver's delta metrics for its report, and under DELTA_FAILURE the first bucket whose
+    delta did not rebuild."""
+    report = {} if delta.seconds is None else {"timing/refit_delta_apply": delta.seconds}
+    if delta.failure is not None:
+        report[DELTA_FAILURE] = f"{name}: {delta.failure}"
+    return report
 
 
 ANY_GPU = "any"  # a senders key: the one sender of receivers on every GPU (nccl: their group's policy rank)

@@ -13,7 +13,7 @@ from typing import Iterator, Protocol
 import torch
 
 from rlkit.refit.channel import ChannelServer
-from rlkit.refit.delta import DeltaSender, EncodedBucket
+from rlkit.refit.delta import DeltaSender, EncodedBucket, frame
 from rlkit.refit.plan import PackedBucket, RefitPlan
 
 
@@ -102,12 +102,15 @@ class RefitSender:
         self._server, self._transport = ChannelServer(receivers, timeout_s, host), transport
         return self._server.address
 
-    def send(self, plan: RefitPlan, with_checksum: bool) -> dict:
+    def send(self, plan: RefitPlan, with_checksum: bool, delta: bool = False) -> dict:
         """One refit over this rank's channel: start it on every receiver (with the transport's
         setup, e.g. new IPC handles), move the bytes, collect their reports. On failure the
         channel closes, so receivers stop at once and connect again. A rank without a channel
         (nccl: all but rank 0) only takes part in the bridge export's collectives. Returns the
-        export's stats and the receivers' reports."""
+        export's stats and the receivers' reports.
+        delta (refit.delta): every receiver first says whether it holds this sender's last version
+        of every bucket; the buckets then travel as frames of their encodings (rlkit/refit/delta.py),
+        deltas where all of them hold it (see DeltaSender.begin), else dense."""
         if self._server is None:
             for _ in self.stream_buckets(plan, with_checksum):
                 pass
@@ -115,13 +118,21 @@ class RefitSender:
         server, transport = self._server, self._transport
         self._begin(plan)
         try:
-            channels = server.begin(plan, with_checksum, transport.prepare(plan, server.accept_receivers()))
-            transport.send(channels, plan, lambda buffer: self._pack_next(with_checksum, buffer))
+            channels = server.begin(plan, with_checksum, transport.prepare(plan, server.accept_receivers()), delta)
+            if delta:
+                self._delta.begin(plan, all([channel.receive("whether it holds the buckets of the last refit")
+                                             for channel in channels]))
+                transport.send(channels, plan, lambda buffer: frame(self._delta.encode(
+                    self._pack_next(with_checksum, buffer, zero_padding=True))), framed=True)
+            else:
+                transport.send(channels, plan, lambda buffer: self._pack_next(with_checksum, buffer))
             self._end()
             received = server.finish()
         except BaseException:
             server.abort()
             raise
+        if delta:
+            self._delta_metrics = self._delta.metrics()
         return {**self.stats(), "received": received}
 
     def stats(self) -> dict:
@@ -163,6 +174,8 @@ class RefitSender:
                                    f"{sorted(set(tensors) - expected)[:3]}; rebuild the plan")
             sources = {name: [(tensor, 0)] for name, tensor in tensors.items()}
         exported = time.perf_counter()
+        if zero_padding and out is not None:  # else the padding holds what was packed there before
+            out[:bucket.nbytes].zero_()
         if self._exported is None and out is not None:  # kept views into a kept buffer: keep the copies too
             key = (bucket.index, out.data_ptr(), out.numel())
             if key not in self._pack_copies:

@@ -28,7 +28,10 @@ LAYOUTS = [pytest.param(COLOCATED, id="cuda_ipc"), pytest.param(DISAGGREGATED, i
                         marks=pytest.mark.gpus(3)),
            pytest.param(DISAGGREGATED + TWO_ENGINES + ONE_GROUP, id="two-engines-nccl-one-group",
                         marks=pytest.mark.gpus(4)),
-           pytest.param(DISAGGREGATED + TWO_ENGINES, id="two-engines-nccl-spread", marks=pytest.mark.gpus(4))]
+           pytest.param(DISAGGREGATED + TWO_ENGINES, id="two-engines-nccl-spread", marks=pytest.mark.gpus(4)),
+           # refit.delta over nccl, at a learning rate where a step changes few bf16 weights
+           pytest.param(DISAGGREGATED + ["refit.delta=true", "policy.optimizer.lr=1e-5"], id="nccl-delta",
+                        marks=pytest.mark.gpus(2))]
 # vLLM's row-parallel layers split the HF weight's dim 1; the other layers split dim 0, norms none
 ROW_PARALLEL = (".o_proj.", ".down_proj.")
 
@@ -69,6 +72,33 @@ def test_refit_is_bit_exact(refit_setup):
     assert metrics["refit/buckets"] == len(plan.buckets) > 1
     # TP=1 policy: rows copied straight from the parameters; every tensor's load replayed
     assert metrics["refit/direct_export"] == 1.0 and metrics["refit/replayable_fraction"] == 1.0
+    _assert_engines_hold_the_export(workers, gpus)
+
+
+def test_delta_refits_after_training_steps_are_bit_exact(refit_setup):
+    """refit.delta (nccl): after each training step the buckets travel as their changed elements,
+    and every engine holds exactly the policy's export (a corrupted delta, a restarted receiver:
+    tests/unit/test_refit_delta_frames.py)."""
+    from rlkit.algorithms.objectives import NextTokenNLL
+    from rlkit.data.batch import Batch, batch_totals
+
+    workers, plan, transport, _, gpus = refit_setup
+    if not transport.delta:
+        pytest.skip("a layout with refit.delta")
+    transport(plan, True)  # the receivers' first copies
+    for step in range(2):
+        input_ids = torch.randint(0, 300, (8, 16), generator=torch.Generator().manual_seed(step))
+        mask = torch.ones(input_ids.shape)
+        mask[:, 0] = 0
+        workers.policy.train(Batch({"input_ids": input_ids, "loss_mask": mask}), batch_totals(mask), NextTokenNLL())
+        metrics = transport(plan, True)
+        print(f"delta refit after step {step}: {metrics}")
+        assert metrics["refit/delta_redone"] == 0.0
+        assert 0 < metrics["refit/delta_bytes"] < 0.5 * metrics["refit/dense_bytes"]
+        _assert_engines_hold_the_export(workers, gpus)
+
+
+def _assert_engines_hold_the_export(workers, gpus: int):
     exported = workers.policy.export_hf_weights()
     checked = 0
     for process, checksums in enumerate(workers.generation.weight_checksums()):

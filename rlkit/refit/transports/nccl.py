@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from rlkit.refit.channel import READY, Channel, RefitStart, wait_event
+from rlkit.refit.delta import FRAME_HEADER_WORDS, Frame
 from rlkit.refit.plan import PackedBucket, RefitPlan
 
 
@@ -71,9 +72,11 @@ class RefitCommunicator:
             self._buffers = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
         return self._buffers
 
-    def send_all(self, plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket]):
+    def send_all(self, plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket | Frame], framed: bool = False):
         """pack(buffer) packs the next bucket into buffer, on the current stream; each bucket
-        (and, when it carries one, its checksum) is broadcast on the side stream."""
+        (and, when it carries one, its checksum) is broadcast on the side stream. framed
+        (refit.delta): pack returns a Frame, whose header goes first, since it tells the receivers
+        how many payload bytes follow."""
         buffers, current = self.prepare(plan), torch.cuda.current_stream()
         sent: list[torch.cuda.Event | None] = [None, None]
         try:
@@ -84,14 +87,25 @@ class RefitCommunicator:
                 packed = pack(buffers[slot])
                 # on the current stream: a host-to-device copy on the side stream would wait for
                 # the broadcast queued there
-                header = None if packed.checksum is None else torch.tensor([packed.checksum], dtype=torch.int64,
-                                                                            device=self.device)
+                if framed:
+                    payload, header = packed.payload, torch.tensor(packed.header, dtype=torch.int64, device=self.device)
+                else:
+                    payload = packed.buffer
+                    header = None if packed.checksum is None else torch.tensor([packed.checksum], dtype=torch.int64,
+                                                                                device=self.device)
                 packed_ready = current.record_event()
                 with torch.cuda.stream(self.stream):
                     self.stream.wait_event(packed_ready)
-                    self.comm.broadcast(packed.buffer, src=0, stream=self.stream)
-                    if header is not None:
+                    if framed:
                         self.comm.broadcast(header, src=0, stream=self.stream)
+                        if payload.numel():  # an unchanged bucket's delta is empty: nothing follows its header
+                            self.comm.broadcast(payload, src=0, stream=self.stream)
+                        payload.record_stream(self.stream)  # a delta's payload is a tensor of its own
+                    else:
+                        self.comm.broadcast(payload, src=0, stream=self.stream)
+                        if header is not None:
+                            self.comm.broadcast(header, src=0, stream=self.stream)
+                    if header is not None:
                         header.record_stream(self.stream)
                 sent[slot] = self.stream.record_event()
             for event in sent:
@@ -101,14 +115,20 @@ class RefitCommunicator:
             self._broken = f"{type(error).__name__}: {error}"
             raise
 
-    def receive_all(self, plan: RefitPlan, load: Callable[[PackedBucket], None], verify: bool):
+    def receive_all(self, plan: RefitPlan, load: Callable[[PackedBucket | Frame], None], verify: bool,
+                    framed: bool = False):
         """Receive every bucket of the plan on the side stream while `load` (on the current
         stream) takes the previous one out; returns when all are loaded. Checksums travel only
         when verifying (the sender's RefitStart says so to both). If a load fails, the remaining
         buckets are still received, so the sender is not left in a broadcast nobody joins, and
-        the failure is raised after."""
+        the failure is raised after. framed (refit.delta): each bucket arrives as a Frame, its
+        header first (read on the host: it holds the payload's size), and load gets it with the
+        whole bucket's buffer as its room."""
         buffers, current = self.prepare(plan), torch.cuda.current_stream()
         headers = torch.empty(len(plan.buckets), dtype=torch.int64, device=self.device)
+        if framed:
+            frame_headers = torch.empty((len(plan.buckets), FRAME_HEADER_WORDS), dtype=torch.int64, device=self.device)
+            host_headers = torch.empty(frame_headers.shape, dtype=torch.int64, pin_memory=True)
         loaded: list[torch.cuda.Event | None] = [None, None]
         failure = None
         try:
@@ -118,18 +138,30 @@ class RefitCommunicator:
                 with torch.cuda.stream(self.stream):
                     if loaded[slot] is not None:  # bucket k-2 is out of this buffer
                         self.stream.wait_event(loaded[slot])
-                    self.comm.broadcast(buffer, src=0, stream=self.stream)
-                    if verify:
+                    if framed:
+                        self.comm.broadcast(frame_headers[bucket.index], src=0, stream=self.stream)
+                        host_headers[bucket.index].copy_(frame_headers[bucket.index], non_blocking=True)
+                if framed:
+                    wait_event(self.stream.record_event(), self.timeout_s, f"bucket {bucket.index}'s header from the policy")
+                    header = tuple(host_headers[bucket.index].tolist())
+                    payload = buffer[:header[0]]
+                with torch.cuda.stream(self.stream):
+                    if not framed or payload.numel():
+                        self.comm.broadcast(payload if framed else buffer, src=0, stream=self.stream)
+                    if verify and not framed:
                         self.comm.broadcast(headers[bucket.index: bucket.index + 1], src=0, stream=self.stream)
                 arrived = self.stream.record_event()
                 current.wait_event(arrived)
                 if failure is None:
                     try:
-                        checksum = None
-                        if verify:  # reading the checksum waits for the bucket
-                            wait_event(arrived, self.timeout_s, f"bucket {bucket.index} from the policy")
-                            checksum = int(headers[bucket.index])
-                        load(PackedBucket(bucket.index, buffer, checksum))
+                        if framed:
+                            load(Frame(bucket.index, header, payload, buffer))
+                        else:
+                            checksum = None
+                            if verify:  # reading the checksum waits for the bucket
+                                wait_event(arrived, self.timeout_s, f"bucket {bucket.index} from the policy")
+                                checksum = int(headers[bucket.index])
+                            load(PackedBucket(bucket.index, buffer, checksum))
                     except Exception as error:
                         failure = error
                 loaded[slot] = current.record_event()
@@ -151,10 +183,11 @@ class NcclSender:
     def prepare(self, plan: RefitPlan, fresh_receivers: bool) -> None:
         self.communicator.prepare(plan)  # before any receiver is told to start
 
-    def send(self, channels: list[Channel], plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket]):
+    def send(self, channels: list[Channel], plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket | Frame],
+             framed: bool = False):
         for channel in channels:
             channel.expect(READY, "it to be ready for the broadcasts")
-        self.communicator.send_all(plan, pack)
+        self.communicator.send_all(plan, pack, framed)
 
 
 class NcclReceiver:
@@ -166,4 +199,4 @@ class NcclReceiver:
     def receive(self, channel: Channel, plan: RefitPlan, start: RefitStart, load: Callable[[PackedBucket], None]):
         self.communicator.prepare(plan)
         channel.send(READY)  # the sender broadcasts only once every receiver got this far
-        self.communicator.receive_all(plan, load, start.verify)
+        self.communicator.receive_all(plan, load, start.verify, framed=start.delta)

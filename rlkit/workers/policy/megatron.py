@@ -525,8 +525,8 @@ class MegatronModelWorker:
         host = "127.0.0.1" if channel_host == "loopback" else ray.util.get_node_ip_address()
         return self.refit_sender.open_channel(half, receivers, timeout_s, host)
 
-    def send_refit(self, plan: RefitPlan, with_checksum: bool) -> dict:
-        return self.refit_sender.send(plan, with_checksum)
+    def send_refit(self, plan: RefitPlan, with_checksum: bool, delta: bool = False) -> dict:
+        return self.refit_sender.send(plan, with_checksum, delta)
 
     def refit_stats(self) -> dict:
         return self.refit_sender.stats()
