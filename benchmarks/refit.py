@@ -7,6 +7,9 @@ cuda_ipc: policy and vLLM colocated on GPU 0, ratio against device copy bandwidt
 nccl:     policy on GPU 0, vLLM on GPU 1, ratio against NCCL broadcast bandwidth.
 TRANSPORTS names the layouts of several GPUs (two engines, an engine of two GPUs).
 A refit is the whole thing: export from Megatron, packing, transport, loading into vLLM.
+nccl-delta: refit.delta over nccl; before each timed refit --changed of every policy weight's
+elements change (a training step's worth), and the delta's bytes, share and encode/apply seconds
+are reported beside the time (compare with nccl, the dense refit, in the same run).
 Each bucket size (--bucket-mb) is measured on the same workers after one refit that learns the
 plan through vLLM's own loader (reported as first_refit_s).
 
@@ -51,11 +54,31 @@ TRANSPORTS = {"cuda_ipc": ["cluster.placement=colocated", "refit=cuda_ipc"],
               "nccl-two-engines-one-group": ["cluster.placement=disaggregated", "refit=nccl", "policy.num_workers=2",
                                              "generation.num_workers=2", "refit.broadcast_groups=one"],
               "nccl-two-engines-spread": ["cluster.placement=disaggregated", "refit=nccl", "policy.num_workers=2",
-                                          "generation.num_workers=2", "refit.broadcast_groups=spread"]}
+                                          "generation.num_workers=2", "refit.broadcast_groups=spread"],
+              # refit.delta over nccl: before each timed refit --changed of every weight's elements change
+              "nccl-delta": ["cluster.placement=disaggregated", "refit=nccl", "refit.delta=true"]}
 
 
-def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int]) -> list[dict]:
-    """One set of workers per transport; every bucket size is its own plan on them."""
+def change_weights(workers, fraction: float, seed: int) -> None:
+    """A training step's worth of change for a delta refit: `fraction` of every policy parameter's
+    elements, chosen at random, scaled by 1 + 2**-6 (a step of a few units in bf16's last place)."""
+    import ray
+    import torch
+
+    def change(worker):
+        generator = torch.Generator(device="cuda").manual_seed(seed + worker.rank)
+        with torch.no_grad():
+            for param in (p for chunk in worker.model for p in chunk.parameters()):
+                flat = param.data.view(-1)
+                picked = torch.rand(flat.numel(), device=flat.device, generator=generator) < fraction
+                flat[picked] *= 1 + 2**-6
+
+    ray.get([actor.__ray_call__.remote(change) for actor in workers.policy.workers.actors])
+
+
+def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int], changed: float = 0.03) -> list[dict]:
+    """One set of workers per transport; every bucket size is its own plan on them. With
+    refit.delta (nccl-delta) each timed refit follows change_weights(changed)."""
     from rlkit.cluster.setup import start_workers
     from rlkit.launch.config import load_config
     from rlkit.cluster.refit_driver import RefitDriver
@@ -75,7 +98,11 @@ def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int])
         for bucket_mb in bucket_mbs:
             plan = RefitPlan.build(driver.manifest, bucket_mb << 20, transfer_dtype="bfloat16")
             learn_s = refit(plan, False)["timing/refit_transfer"]  # the first refit of a plan goes through vLLM's loader
-            results = [refit(plan, False) for _ in range(rounds)]
+            results = []
+            for round_ in range(rounds):
+                if cfg.refit.delta:
+                    change_weights(workers, changed, seed=round_)
+                results.append(refit(plan, False))
             checked = refit(plan, True)["timing/refit_transfer"]  # with checksums on, for the record
             median = statistics.median(r["timing/refit_transfer"] for r in results)
             agreement = logprob_agreement(workers, model_dir)  # after the checksummed refit
@@ -88,7 +115,13 @@ def measure(model_dir: Path, transport: str, rounds: int, bucket_mbs: list[int])
                 "direct_export": results[-1]["refit/direct_export"],
                 "replayable_fraction": results[-1]["refit/replayable_fraction"],
                 "first_refit_s": learn_s, "seconds_with_checksums": checked, "setup_s": setup_s,
-                "token_mult_prob_error": agreement})
+                "token_mult_prob_error": agreement,
+                **({"changed": changed,
+                    "delta_fraction": statistics.median(r["refit/delta_fraction"] for r in results),
+                    "delta_gbytes": statistics.median(r["refit/delta_bytes"] for r in results) / 1e9,
+                    "encode_s": statistics.median(r["timing/refit_delta_encode"] for r in results),
+                    "apply_s": statistics.median(r["timing/refit_delta_apply"] for r in results)}
+                   if cfg.refit.delta else {})})
     finally:
         workers.shutdown()
     return rows
@@ -198,6 +231,8 @@ def main():
     parser.add_argument("--steps", type=int, default=5, help="--link-gbit: training steps per cap")
     parser.add_argument("--lr", type=float, default=1e-5, help="--link-gbit: Adam's learning rate")
     parser.add_argument("--rows", type=int, default=8, help="--link-gbit: word problems per training step")
+    parser.add_argument("--changed", type=float, default=0.03, help="nccl-delta: the share of every weight's "
+                        "elements changed before each timed refit (3%%: a SmolLM2 GRPO step's, measured on an H100)")
     args = parser.parse_args()
     if args.link_gbit:
         if not args.model:
@@ -217,7 +252,7 @@ def main():
             if transport.startswith("nccl") and limits["broadcast_gbytes_per_s"] is None:
                 continue
             bucket_mbs = [int(mb) for mb in args.bucket_mb.split(",")]
-            for row in measure(model_dir, transport, args.rounds, bucket_mbs):
+            for row in measure(model_dir, transport, args.rounds, bucket_mbs, args.changed):
                 limit = limits["copy_gbytes_per_s" if transport.startswith("cuda_ipc") else "broadcast_gbytes_per_s"]
                 rows.append({"model": f"qwen3-{size}", **row, "limit_gbytes_per_s": limit,
                              "ratio": row["gbytes_per_s"] / limit})
