@@ -29,6 +29,17 @@ from rlkit.workers.generation.base import GenerationWorker
 from rlkit.workers.rendezvous import use_interface_of
 
 
+def _inspect_architectures_here() -> None:
+    """vLLM 0.26 learns what a model's architecture supports in a Python process of its own, so
+    that this process would not initialize CUDA: on a fresh machine about 20 s, until its cache
+    under VLLM_CACHE_ROOT holds the answer. An engine of one GPU in this process initializes CUDA
+    here anyway, so the inspection (an import of the model's module) runs here."""
+    from vllm.model_executor.models import registry
+
+    if hasattr(registry, "_run_in_subprocess"):  # a private function: other versions keep their own way
+        registry._run_in_subprocess = lambda inspect: inspect()
+
+
 class VLLMGenerationWorker(GenerationWorker):
     """Starts with dummy weights: real weights arrive only through refit. With `adapter`
     (policy.peft under refit.peft=adapter) it starts from the checkpoint's real weights, with LoRA
@@ -55,6 +66,8 @@ class VLLMGenerationWorker(GenerationWorker):
         use_interface_of(node_address)
         with self.startup.phase("vllm_import"):
             from vllm import LLM
+        if not v.engine_process and v.tensor_parallel_size == 1:
+            _inspect_architectures_here()
 
         self.rank, self.sleep_mode, self.seed_per_request = rank, sleep_mode, v.seed_per_request
         self.model_dir, self.adapter = model_dir, adapter
