@@ -3,4 +3,4 @@ failing run says so within minutes rather than after the slow tests."""
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: "unit" not in item.path.parent.parts[-1:])  # stable: each tier keeps its order
+    items.sort(key=lambda item: item.path.parent.name != "unit")  # stable: each tier keeps its order
