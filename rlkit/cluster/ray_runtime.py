@@ -11,9 +11,12 @@ from pathlib import Path
 import ray
 from ray._private import ray_constants, services
 
+from rlkit.cluster.fork_server import ForkServer
+from rlkit.cluster.fork_server import available as fork_server_available
 from rlkit.config.schema import ClusterConfig, ConfigError
 
 log = logging.getLogger(__name__)
+_fork_server: ForkServer | None = None  # the local cluster's, while it runs
 
 
 def join_or_start_ray(cfg: ClusterConfig) -> bool:
@@ -45,10 +48,16 @@ def _start_local(cfg: ClusterConfig) -> None:
     # did, advising how to opt out; it stays on, and the advice is noise for a loopback-only cluster
     token_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
     token_log.addFilter(_token_auth_notice)
+    global _fork_server
+    _fork_server = ForkServer.start() if cfg.fork_workers and fork_server_available() else None
     try:
         # address="local" ignores a stale /tmp/ray/ray_current_cluster
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
-                 object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True)
+                 object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True,
+                 runtime_env=_fork_server.runtime_env() if _fork_server else None)
+    except BaseException:
+        _stop_fork_server()
+        raise
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
         token_log.removeFilter(_token_auth_notice)
@@ -91,6 +100,7 @@ def stop_local_ray(keep_logs: bool) -> None:
     every session folder in its temp directory forever."""
     session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
     ray.shutdown()
+    _stop_fork_server()
     if keep_logs:
         log.info("Ray's logs of this run are in %s", session_dir / "logs")
         return
@@ -98,6 +108,13 @@ def stop_local_ray(keep_logs: bool) -> None:
     latest = session_dir.parent / "session_latest"
     if latest.is_symlink() and not latest.exists():
         latest.unlink()
+
+
+def _stop_fork_server() -> None:
+    global _fork_server
+    if _fork_server is not None:
+        _fork_server.stop()
+        _fork_server = None
 
 
 def device_kind() -> str:

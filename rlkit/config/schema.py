@@ -22,6 +22,7 @@ class ClusterConfig:
     threads_per_worker: int = MISSING
     call_timeout_s: float = MISSING
     collective_timeout_s: float = MISSING
+    fork_workers: bool = MISSING
 
 
 @dataclass

@@ -17,7 +17,8 @@ from rlkit.cluster import ray_runtime
 from rlkit.config.schema import ClusterConfig
 
 CLUSTER = ClusterConfig(address=None, connect_timeout_s=10.0, num_cpus=1, object_store_mb=100, placement="colocated",
-                        threads_per_worker=1, call_timeout_s=60.0, collective_timeout_s=60.0)
+                        threads_per_worker=1, call_timeout_s=60.0, collective_timeout_s=60.0,
+                        fork_workers=False)
 
 
 class Records(logging.Handler):

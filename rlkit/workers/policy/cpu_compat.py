@@ -76,10 +76,9 @@ def _uncompiled(model=None, **options):
 _mode = None
 
 
-def enable():
-    global _mode
-    if _mode is not None:
-        return
+def import_megatron():
+    """Import megatron-core as a CPU run uses it, without CUDA's stand-ins (a process that forks
+    workers imports it once this way: rlkit/cluster/fork_server.py)."""
     # megatron-core wraps its fusable functions in torch.compile as it imports them (megatron.core.jit's
     # jit_fuser), which imports dynamo and inductor: 1.5 s of CPU in every worker process. On a CPU they
     # stay plain functions (what megatron does where torch.compile is missing); the first import of
@@ -87,12 +86,23 @@ def enable():
     compile_ = torch.compile
     torch.compile = _uncompiled
     try:
-        import megatron.core.fusions.fused_softmax as fused_softmax
-        import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
-        import megatron.core.tensor_parallel.random as mcore_random
-        import megatron.core.transformer.utils as transformer_utils
+        import megatron.core.fusions.fused_softmax  # noqa: F401
+        import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
+        import megatron.core.tensor_parallel.random  # noqa: F401
+        import megatron.core.transformer.utils  # noqa: F401
     finally:
         torch.compile = compile_
+
+
+def enable():
+    global _mode
+    if _mode is not None:
+        return
+    import_megatron()
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    import megatron.core.tensor_parallel.random as mcore_random
+    import megatron.core.transformer.utils as transformer_utils
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None

@@ -20,7 +20,6 @@ import warnings
 from datetime import timedelta
 from typing import Callable, Iterator
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -98,6 +97,8 @@ class MegatronModelWorker:
         model_dir, world_size, seed, collective_timeout_s = self._setup_args
         if ON_GPU:
             torch.cuda.set_device(0)  # Ray gives each actor its GPU as device 0
+        import ray  # where used: a fork server imports this module before Ray (rlkit/cluster/fork_server.py)
+
         with self.startup.phase("process_group"):
             init_process_group("nccl" if ON_GPU else "gloo", master_addr, master_port, rank, world_size,
                                timedelta(seconds=collective_timeout_s), node_address=ray.util.get_node_ip_address())
@@ -436,6 +437,8 @@ class MegatronModelWorker:
         """Output ranks: [an object ref to the held shard's `names`], for another worker group
         (PPO: the policy's logprobs for the critic, its advantages back); the bytes go through
         the object store, not the controller."""
+        import ray
+
         return [ray.put(self.held.select(*names))] if self._is_output() else None
 
     def forward_held(self, into: str, reference: bool = False) -> dict | None:
@@ -521,6 +524,8 @@ class MegatronModelWorker:
 
     def open_refit_channel(self, transport: str, receivers: int, timeout_s: float, channel_host: str) -> tuple:
         """channel_host (refit.channel_host): loopback, or node_ip for receivers on other nodes."""
+        import ray
+
         half = sending_half(transport, self.refit_sender.communicator)
         host = "127.0.0.1" if channel_host == "loopback" else ray.util.get_node_ip_address()
         return self.refit_sender.open_channel(half, receivers, timeout_s, host)

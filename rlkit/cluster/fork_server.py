@@ -1,0 +1,261 @@
+"""Workers of a local CPU cluster fork from one process that has imported torch, transformers and
+megatron-core once (cluster.fork_workers), instead of each importing them: 5-8 s of CPU per worker
+process on a small machine, most of a run's start-up there.
+
+The driver starts the server before Ray (`ForkServer.start`), which imports the modules while Ray
+starts, and gives Ray a job runtime_env whose py_executable is rlkit/cluster/fork_client.py: the
+raylet starts each Python worker through that client, and the server forks the worker with the
+client's arguments, environment, working directory and standard streams. The worker registers with
+the raylet under its own pid; the client lives as long as it does and exits with its status.
+Lifetimes are tied both ways: a worker dies with the server, the server with the driver (both by
+the kernel: PR_SET_PDEATHSIG), a worker with its client (the server kills a worker whose client's
+connection closes), and a client exits when its worker does.
+
+Forking is safe only from a process that runs no Python thread and has run no parallel torch op,
+and only before Ray is imported (Ray reads its environment and authentication once, as it imports): the
+server checks the first and the last after preloading and otherwise serves no one, so every client execs a
+worker of its own. Linux only; never where a GPU is (CUDA must not be initialized before a fork,
+and vLLM starts its own processes)."""
+
+import array
+import atexit
+import ctypes
+import importlib
+import json
+import logging
+import os
+import random
+import runpy
+import selectors
+import shlex
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# what CPU workers import: torch, transformers' model classes, megatron-core as a CPU run imports it
+# (before the Megatron worker's module, whose import filters megatron's expected warnings), the
+# bridge and both workers' modules (none of them imports Ray)
+PRELOAD = ("torch", "transformers", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.models.llama.modeling_llama", "rlkit.workers.policy.megatron",
+           "rlkit.workers.policy.cpu_compat:import_megatron", "mbridge", "rlkit.workers.generation.hf")
+_PR_SET_PDEATHSIG = 1
+
+
+def available() -> bool:
+    """Whether this machine's local cluster can fork its workers: Linux, and no NVIDIA GPU."""
+    return sys.platform == "linux" and not Path("/dev/nvidiactl").exists()
+
+
+class ForkServer:
+    """The driver's handle on a running server."""
+
+    def __init__(self, process: subprocess.Popen, directory: Path):
+        self.process, self.directory = process, directory
+        self.socket = directory / "fork.sock"
+
+    @classmethod
+    def start(cls, preload: tuple[str, ...] = PRELOAD, timeout_s: float = 30) -> "ForkServer":
+        """Start the server and wait until it listens (it preloads afterwards, while clients queue).
+        preload: module names, or module:function to call once imported."""
+        directory = Path(tempfile.mkdtemp(prefix="rlkit-fork-"))  # short: a socket path fits 107 bytes
+        process = subprocess.Popen([sys.executable, "-m", "rlkit.cluster.fork_server", str(directory / "fork.sock"),
+                                    str(os.getpid()), *preload], stdin=subprocess.DEVNULL)
+        server = cls(process, directory)
+        atexit.register(server.stop)
+        deadline = time.monotonic() + timeout_s
+        while not server.socket.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(f"the worker fork server did not start (exit status {process.poll()}); set "
+                                   f"cluster.fork_workers=false to start every worker on its own")
+            time.sleep(0.01)
+        return server
+
+    def runtime_env(self) -> dict:
+        """The job runtime_env that has the raylet start Python workers through the client."""
+        client = Path(__file__).with_name("fork_client.py")
+        return {"py_executable": shlex.join([sys.executable, "-S", str(client), str(self.socket)])}
+
+    def stop(self) -> None:
+        """Stop the server (its remaining workers die with it) and remove its socket."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for path in (self.socket, self.directory):
+            try:
+                path.unlink() if path != self.directory else path.rmdir()
+            except OSError:
+                pass
+        atexit.unregister(self.stop)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL from the kernel when the process that started this one ends."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the request took effect
+        os._exit(1)
+
+
+def preload(names: tuple[str, ...]) -> str | None:
+    """Import names; returns why forking is unsafe after that, or None."""
+    for name in names:
+        module, _, function = name.partition(":")
+        try:
+            imported = importlib.import_module(module)
+        except ImportError as error:  # an optional backend that is not installed: its workers import it
+            log.debug("fork server: not preloading %s: %s", module, error)
+            continue
+        if function:
+            getattr(imported, function)()
+    if "ray" in sys.modules:
+        return "a preloaded module imported Ray"
+    # Python threads only: torch's import starts a native one, which DataLoader's forked workers inherit too
+    return f"{threading.active_count()} threads after preloading" if threading.active_count() > 1 else None
+
+
+def _receive_request(connection: socket.socket) -> tuple[dict, list[int]]:
+    fds = array.array("i")
+    data, ancillary, _, _ = connection.recvmsg(1 << 16, socket.CMSG_LEN(3 * fds.itemsize))
+    for _, _, payload in ancillary:
+        fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    size = struct.unpack("i", data[:4])[0]
+    data = data[4:]
+    while len(data) < size:
+        chunk = connection.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the client closed its request early")
+        data += chunk
+    return json.loads(data), list(fds)
+
+
+def _become_worker(request: dict, fds: list[int], server: int) -> None:
+    """In the forked child: the process a fresh `python default_worker.py ...` would be. Never returns."""
+    _die_with_parent(server)
+    for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    script, *_ = request["argv"]
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[:1] = [os.path.dirname(os.path.abspath(script)), *extra]  # as `python script` sets it
+    sys.argv = list(request["argv"])
+    random.seed()  # a fresh process seeds from the OS; forked ones would share the server's state
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "OMP_NUM_THREADS" in os.environ:  # read by torch's thread pool as it loads, in the server
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+    os._exit(code)
+
+
+def serve(path: str, parent: int, modules: tuple[str, ...]) -> None:
+    _die_with_parent(parent)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(128)
+    os.rename(path + ".tmp", path)  # ForkServer.start waits for this name: clients queue from here on
+    unsafe = preload(modules)
+    if unsafe:
+        print(f"rlkit fork server: {unsafe}; each worker starts on its own", file=sys.stderr, flush=True)
+        return  # the clients' connections close: each execs a worker of its own
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # nothing to flush; tearing torch down takes a second
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_read, selectors.EVENT_READ)
+    workers: dict[int, socket.socket] = {}  # pid -> its client's connection
+    server = os.getpid()
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is listener:
+                connection, _ = listener.accept()
+                try:
+                    request, fds = _receive_request(connection)
+                except (OSError, ValueError):
+                    connection.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    selector.close()
+                    for fd in (listener.detach(), wake_read, wake_write, *(c.detach() for c in workers.values())):
+                        os.close(fd)
+                    connection.close()  # held here, a dead server's client would wait on it forever
+                    _become_worker(request, fds, server)
+                for fd in fds:
+                    os.close(fd)
+                connection.sendall(struct.pack("i", pid))
+                workers[pid] = connection
+                selector.register(connection, selectors.EVENT_READ, pid)
+            elif key.fileobj == wake_read:
+                os.read(wake_read, 4096)
+                _reap(workers, selector)
+            else:  # a client's connection closed: its worker goes too
+                if not key.fileobj.recv(1):
+                    try:
+                        os.kill(key.data, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    selector.unregister(key.fileobj)
+
+
+def _reap(workers: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
+    """Each ended worker's status to its client."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = workers.pop(pid, None)
+        if connection is None:
+            continue
+        try:
+            selector.unregister(connection)
+        except (KeyError, ValueError):
+            pass
+        try:
+            connection.sendall(struct.pack("i", os.waitstatus_to_exitcode(status)))
+        except OSError:
+            pass
+        connection.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]), tuple(sys.argv[3:]))

@@ -1,0 +1,128 @@
+"""The worker fork server (rlkit/cluster/fork_server.py) with real processes, as a raylet drives it:
+a worker started through fork_client.py is a child of the server that runs the script with the
+client's arguments, environment, working directory and standard streams, and the client exits with
+its status; lifetimes are tied (a client's signal reaches its worker, a killed client's worker is
+killed, a stopped server's workers die); with no server, or one whose preload imported Ray, the
+client becomes the worker itself. The default preload is fork-safe (it imports no Ray, starts no
+Python thread)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rlkit.cluster.fork_server import ForkServer
+
+CLIENT = Path(__file__).parents[2] / "rlkit" / "cluster" / "fork_client.py"
+
+WORKER = textwrap.dedent("""\
+    import json, os, random, sys, time
+    import helper  # from PYTHONPATH, as a runtime_env's env_vars set it
+    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("WORKER_ENV"), "pid": os.getpid(),
+                      "ppid": os.getppid(), "random": random.random(), "helper": helper.VALUE}), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    if sys.argv[1] == "sleep":
+        time.sleep(60)
+    sys.exit(int(sys.argv[2]))
+""")
+
+
+@pytest.fixture
+def script(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "helper.py").write_text("VALUE = 7\n")
+    (tmp_path / "worker.py").write_text(WORKER)
+    return tmp_path / "worker.py"
+
+
+@pytest.fixture
+def server():
+    started = ForkServer.start(preload=("json",))
+    yield started
+    started.stop()
+
+
+def run_worker(socket: Path, script: Path, *args: str, wait: bool = True):
+    """fork_client.py as the raylet runs it (python -S), in script's folder with its own env."""
+    env = {**os.environ, "WORKER_ENV": "from the client", "PYTHONPATH": str(script.parent / "lib")}
+    process = subprocess.Popen([sys.executable, "-S", str(CLIENT), str(socket), str(script), *args],
+                               cwd=script.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return process
+    out, err = process.communicate(timeout=60)
+    return process.returncode, out, err
+
+
+def test_a_forked_worker_runs_as_the_client_would_and_its_status_comes_back(server, script):
+    status, out, err = run_worker(server.socket, script, "exit", "3")
+    seen = json.loads(out)
+    assert status == 3 and err == "to stderr\n"
+    assert seen["argv"] == [str(script), "exit", "3"] and seen["cwd"] == str(script.parent)
+    assert seen["env"] == "from the client" and seen["helper"] == 7
+    assert seen["ppid"] == server.process.pid  # forked by the server, not started by the client
+    again = json.loads(run_worker(server.socket, script, "exit", "0")[1])
+    assert again["random"] != seen["random"]  # each worker seeds its own, as a fresh process does
+
+
+def wait_for_worker(process) -> psutil.Process:
+    return psutil.Process(json.loads(process.stdout.readline())["pid"])
+
+
+def test_a_signal_to_the_client_reaches_its_worker(server, script):
+    client = run_worker(server.socket, script, "sleep", "0", wait=False)
+    worker = wait_for_worker(client)
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not worker.is_running()
+
+
+def test_a_killed_clients_worker_is_killed(server, script):
+    client = run_worker(server.socket, script, "sleep", "0", wait=False)
+    worker = wait_for_worker(client)
+    client.kill()
+    client.wait()
+    worker.wait(timeout=30)
+
+
+def test_a_stopped_servers_workers_die_with_it(server, script):
+    client = run_worker(server.socket, script, "sleep", "0", wait=False)
+    worker = wait_for_worker(client)
+    server.stop()
+    worker.wait(timeout=30)
+    assert client.wait(timeout=30) != 0
+    assert not server.socket.exists() and not server.directory.exists()
+
+
+def test_without_a_server_the_client_becomes_the_worker(tmp_path, script):
+    status, out, err = run_worker(tmp_path / "absent.sock", script, "exit", "5")
+    seen = json.loads(out)
+    assert status == 5 and err == "to stderr\n" and seen["helper"] == 7
+    assert seen["ppid"] == os.getpid()  # exec'd in place: the process this test started
+
+
+def test_a_server_whose_preload_imports_ray_serves_no_one(script):
+    refusing = ForkServer.start(preload=("ray",))
+    try:
+        status, out, _ = run_worker(refusing.socket, script, "exit", "0")
+        assert status == 0 and json.loads(out)["ppid"] == os.getpid()
+    finally:
+        refusing.stop()
+
+
+def test_the_default_preload_is_fork_safe():
+    """What every CPU run's server imports: no Ray, no Python thread (one subprocess, about 5 s)."""
+    checked = subprocess.run([sys.executable, "-c", "from rlkit.cluster.fork_server import PRELOAD, preload; "
+                              "print(preload(PRELOAD))"], capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert checked.stdout.strip().splitlines()[-1] == "None"
+
+
+def test_runtime_env_starts_workers_through_the_client(server):
+    command = server.runtime_env()["py_executable"]
+    assert command.split() == [sys.executable, "-S", str(CLIENT), str(server.socket)]
