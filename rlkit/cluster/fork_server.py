@@ -7,9 +7,10 @@ starts, and gives Ray a job runtime_env whose py_executable is rlkit/cluster/for
 raylet starts each Python worker through that client, and the server forks the worker with the
 client's arguments, environment, working directory and standard streams. The worker registers with
 the raylet under its own pid; the client lives as long as it does and exits with its status.
-Lifetimes are tied both ways: a worker dies with the server, the server with the driver (both by
-the kernel: PR_SET_PDEATHSIG), a worker with its client (the server kills a worker whose client's
-connection closes), and a client exits when its worker does.
+Lifetimes are tied both ways: a worker dies with the server (by the kernel: PR_SET_PDEATHSIG), the
+server with the driver process (it holds a pipe's read end, whose write end only the driver has),
+a worker with its client (the server kills a worker whose client's connection closes), and a
+client exits when its worker does.
 
 Forking is safe only from a process that runs no Python thread and has run no parallel torch op,
 and only before Ray is imported (Ray reads its environment and authentication once, as it imports): the
@@ -57,8 +58,8 @@ def available() -> bool:
 class ForkServer:
     """The driver's handle on a running server."""
 
-    def __init__(self, process: subprocess.Popen, directory: Path):
-        self.process, self.directory = process, directory
+    def __init__(self, process: subprocess.Popen, directory: Path, lifeline: int):
+        self.process, self.directory, self.lifeline = process, directory, lifeline
         self.socket = directory / "fork.sock"
 
     @classmethod
@@ -66,9 +67,13 @@ class ForkServer:
         """Start the server and wait until it listens (it preloads afterwards, while clients queue).
         preload: module names, or module:function to call once imported."""
         directory = Path(tempfile.mkdtemp(prefix="rlkit-fork-"))  # short: a socket path fits 107 bytes
+        # the server's read end sees EOF when this process ends, however it ends (PR_SET_PDEATHSIG
+        # would follow the thread that started the server, which may end first)
+        lifeline_read, lifeline = os.pipe()
         process = subprocess.Popen([sys.executable, "-m", "rlkit.cluster.fork_server", str(directory / "fork.sock"),
-                                    str(os.getpid()), *preload], stdin=subprocess.DEVNULL)
-        server = cls(process, directory)
+                                    str(lifeline_read), *preload], stdin=subprocess.DEVNULL, pass_fds=(lifeline_read,))
+        os.close(lifeline_read)
+        server = cls(process, directory, lifeline)
         atexit.register(server.stop)
         deadline = time.monotonic() + timeout_s
         while not server.socket.exists():
@@ -86,6 +91,9 @@ class ForkServer:
 
     def stop(self) -> None:
         """Stop the server (its remaining workers die with it) and remove its socket."""
+        if self.lifeline >= 0:
+            os.close(self.lifeline)
+            self.lifeline = -1
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -93,16 +101,21 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        for path in (self.socket, self.directory):
-            try:
-                path.unlink() if path != self.directory else path.rmdir()
-            except OSError:
-                pass
+        _remove(self.socket)
         atexit.unregister(self.stop)
 
 
+def _remove(socket_path: Path) -> None:
+    """The socket and the folder made for it, where they are still there."""
+    for remove in (socket_path.unlink, socket_path.parent.rmdir):
+        try:
+            remove()
+        except OSError:
+            pass
+
+
 def _die_with_parent(parent: int) -> None:
-    """SIGKILL from the kernel when the process that started this one ends."""
+    """SIGKILL from the kernel when parent, this process's parent, ends (a single-threaded one)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # it ended before the request took effect
         os._exit(1)
@@ -180,8 +193,8 @@ def _become_worker(request: dict, fds: list[int], server: int) -> None:
     os._exit(code)
 
 
-def serve(path: str, parent: int, modules: tuple[str, ...]) -> None:
-    _die_with_parent(parent)
+def serve(path: str, lifeline: int, modules: tuple[str, ...]) -> None:
+    """lifeline: the read end of a pipe only the driver writes to; its EOF ends the server."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(128)
@@ -198,6 +211,7 @@ def serve(path: str, parent: int, modules: tuple[str, ...]) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_read, selectors.EVENT_READ)
+    selector.register(lifeline, selectors.EVENT_READ)
     workers: dict[int, socket.socket] = {}  # pid -> its client's connection
     server = os.getpid()
     while True:
@@ -213,7 +227,8 @@ def serve(path: str, parent: int, modules: tuple[str, ...]) -> None:
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
                     selector.close()
-                    for fd in (listener.detach(), wake_read, wake_write, *(c.detach() for c in workers.values())):
+                    for fd in (listener.detach(), wake_read, wake_write, lifeline,
+                               *(c.detach() for c in workers.values())):
                         os.close(fd)
                     connection.close()  # held here, a dead server's client would wait on it forever
                     _become_worker(request, fds, server)
@@ -222,6 +237,9 @@ def serve(path: str, parent: int, modules: tuple[str, ...]) -> None:
                 connection.sendall(struct.pack("i", pid))
                 workers[pid] = connection
                 selector.register(connection, selectors.EVENT_READ, pid)
+            elif key.fileobj == lifeline:  # the driver ended: so do its workers, by their PR_SET_PDEATHSIG
+                _remove(Path(path))  # what the driver's stop() would have removed
+                os._exit(0)
             elif key.fileobj == wake_read:
                 os.read(wake_read, 4096)
                 _reap(workers, selector)

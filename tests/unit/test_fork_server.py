@@ -2,12 +2,14 @@
 a worker started through fork_client.py is a child of the server that runs the script with the
 client's arguments, environment, working directory and standard streams, and the client exits with
 its status; lifetimes are tied (a client's signal reaches its worker, a killed client's worker is
-killed, a stopped server's workers die); with no server, or one whose preload imported Ray, the
+killed, a stopped server's workers die, and so does a server whose driver process ended, even
+after the thread that started it); with no server, or one whose preload imported Ray, the
 client becomes the worker itself. The default preload is fork-safe (it imports no Ray, starts no
 Python thread)."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,3 +128,35 @@ def test_the_default_preload_is_fork_safe():
 def test_runtime_env_starts_workers_through_the_client(server):
     command = server.runtime_env()["py_executable"]
     assert command.split() == [sys.executable, "-S", str(CLIENT), str(server.socket)]
+
+
+DRIVER = textwrap.dedent("""\
+    import sys, threading, time
+    from rlkit.cluster.fork_server import ForkServer
+    started = []
+    starter = threading.Thread(target=lambda: started.append(ForkServer.start(preload=("json",))))
+    starter.start()
+    starter.join()  # the thread that started the server ends; the server stays
+    print(started[0].process.pid, started[0].socket, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_server_lives_as_long_as_the_driver_process_not_the_thread_that_started_it(tmp_path, script):
+    driver, socket = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True), None
+    try:
+        pid, socket = driver.stdout.readline().split()
+        server = psutil.Process(int(pid))
+        client = run_worker(Path(socket), script, "sleep", "0", wait=False)
+        worker = wait_for_worker(client)
+        assert server.is_running() and worker.is_running()
+        driver.kill()  # no atexit, no stop(): the kernel closes its end of the lifeline
+        server.wait(timeout=30)
+        worker.wait(timeout=30)
+        assert client.wait(timeout=30) != 0
+        assert not Path(socket).parent.exists()  # the server removed what the driver's stop() would have
+    finally:
+        driver.kill()
+        driver.wait()
+        if socket:  # what the killed driver's stop() would have removed
+            shutil.rmtree(Path(socket).parent, ignore_errors=True)
