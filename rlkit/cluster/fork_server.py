@@ -41,12 +41,12 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# what CPU workers import: torch, transformers' model classes, megatron-core as a CPU run imports it
-# (before the Megatron worker's module, whose import filters megatron's expected warnings), the
-# bridge and both workers' modules (none of them imports Ray)
-PRELOAD = ("torch", "transformers", "transformers.models.qwen2.modeling_qwen2",
-           "transformers.models.llama.modeling_llama", "rlkit.workers.policy.megatron",
-           "rlkit.workers.policy.cpu_compat:import_megatron", "mbridge", "rlkit.workers.generation.hf")
+# what CPU workers import (torch and transformers with them; none of them imports Ray): the model
+# classes, the Megatron worker's module (first: its import filters megatron-core's expected
+# warnings), megatron-core as a CPU run imports it, the bridge, and the generation worker's module
+PRELOAD = ("transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
+           "rlkit.workers.policy.megatron", "rlkit.workers.policy.cpu_compat:import_megatron", "mbridge",
+           "rlkit.workers.generation.hf")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -172,7 +172,7 @@ def _become_worker(request: dict, fds: list[int], server: int) -> None:
     random.seed()  # a fresh process seeds from the OS; forked ones would share the server's state
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    if "OMP_NUM_THREADS" in os.environ:  # read by torch's thread pool as it loads, in the server
+    if "OMP_NUM_THREADS" in os.environ and "torch" in sys.modules:  # torch read it as it loaded, in the server
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     code = 0
     try:
@@ -220,7 +220,7 @@ def serve(path: str, lifeline: int, modules: tuple[str, ...]) -> None:
                 connection, _ = listener.accept()
                 try:
                     request, fds = _receive_request(connection)
-                except (OSError, ValueError):
+                except (OSError, ValueError, struct.error):  # a client that died while it asked
                     connection.close()
                     continue
                 pid = os.fork()
@@ -234,7 +234,10 @@ def serve(path: str, lifeline: int, modules: tuple[str, ...]) -> None:
                     _become_worker(request, fds, server)
                 for fd in fds:
                     os.close(fd)
-                connection.sendall(struct.pack("i", pid))
+                try:
+                    connection.sendall(struct.pack("i", pid))
+                except OSError:  # its client died meanwhile: so does the worker (reaped below)
+                    os.kill(pid, signal.SIGKILL)
                 workers[pid] = connection
                 selector.register(connection, selectors.EVENT_READ, pid)
             elif key.fileobj == lifeline:  # the driver ended: so do its workers, by their PR_SET_PDEATHSIG
@@ -244,12 +247,19 @@ def serve(path: str, lifeline: int, modules: tuple[str, ...]) -> None:
                 os.read(wake_read, 4096)
                 _reap(workers, selector)
             else:  # a client's connection closed: its worker goes too
-                if not key.fileobj.recv(1):
+                if not _still_open(key.fileobj):
                     try:
                         os.kill(key.data, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
                     selector.unregister(key.fileobj)
+
+
+def _still_open(connection: socket.socket) -> bool:
+    try:
+        return connection.recv(1) != b""
+    except OSError:
+        return False
 
 
 def _reap(workers: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:

@@ -160,3 +160,15 @@ def test_a_server_lives_as_long_as_the_driver_process_not_the_thread_that_starte
         driver.wait()
         if socket:  # what the killed driver's stop() would have removed
             shutil.rmtree(Path(socket).parent, ignore_errors=True)
+
+
+def test_a_client_that_dies_while_it_asks_leaves_the_server_serving(server, script):
+    import socket as sockets
+
+    for payload in (b"", b"\x05"):  # gone before a request, and partway through its length
+        broken = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+        broken.connect(str(server.socket))
+        broken.sendall(payload)
+        broken.close()
+    status, out, _ = run_worker(server.socket, script, "exit", "0")
+    assert status == 0 and json.loads(out)["ppid"] == server.process.pid
