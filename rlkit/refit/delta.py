@@ -212,6 +212,29 @@ def _unpack_bits(bits: torch.Tensor, count: int) -> torch.Tensor:
     return ((bits.unsqueeze(1) >> shifts) & 1).view(-1)[:count].view(torch.bool)
 
 
+class HostCopies:
+    """Each bucket's last version in host memory. A bucket on a GPU is copied into page-locked
+    memory allocated once per bucket and overwritten at every refit: fresh pageable copies of a
+    7B model's 15 GB took 13-15 s per refit on each side (benchmarks/refit.py, nccl-delta)."""
+
+    def __init__(self):
+        self._copies: dict[int, torch.Tensor] = {}
+
+    def keep(self, index: int, buffer: torch.Tensor, reused: bool) -> torch.Tensor:
+        """Bucket `index`'s bytes as they are now. reused: the caller writes into `buffer` again;
+        if not, a host buffer is kept as it is. Otherwise they are copied into this bucket's own
+        host buffer, page-locked when `buffer` is on a GPU."""
+        if not (reused or buffer.is_cuda):
+            return buffer
+        host = self._copies.get(index)
+        if host is None or host.numel() != buffer.numel():
+            host = self._copies[index] = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=buffer.is_cuda)
+        return host.copy_(buffer)  # synchronous: the caller may write into buffer next
+
+    def clear(self) -> None:
+        self._copies = {}
+
+
 class DeltaSender:
     """A sender's memory for delta refit: every bucket as it sent it last, in host memory (one
     copy of the exported model), and the encodings of the refit in progress, for its metrics."""
@@ -219,6 +242,7 @@ class DeltaSender:
     def __init__(self, max_size_ratio: float = 0.5):
         self.max_size_ratio = max_size_ratio
         self._plan: RefitPlan | None = None
+        self._host = HostCopies()
         self._sent: dict[int, torch.Tensor] = {}
         self._encoded: list[EncodedBucket] = []
         self._seconds = 0.0
@@ -229,6 +253,8 @@ class DeltaSender:
         starts anew, so every bucket of this refit goes dense."""
         if not base_held or plan != self._plan:
             self._sent = {}
+        if plan != self._plan:
+            self._host.clear()
         self._plan, self._encoded, self._seconds = plan, [], 0.0
 
     def encode(self, packed: PackedBucket) -> EncodedBucket:
@@ -238,7 +264,7 @@ class DeltaSender:
         previous = self._sent.pop(packed.index, None)
         encoded = encode(None if previous is None else previous.to(packed.buffer.device), packed,
                          self._plan.buckets[packed.index], self.max_size_ratio)
-        self._sent[packed.index] = packed.buffer.cpu()
+        self._sent[packed.index] = self._host.keep(packed.index, packed.buffer, reused=False)
         self._encoded.append(encoded)
         self._seconds += time.perf_counter() - start  # encode reads the count of changes: its GPU work is done
         return encoded
@@ -255,6 +281,7 @@ class DeltaReceiver:
 
     def __init__(self):
         self._plan: RefitPlan | None = None
+        self._host = HostCopies()
         self._held: dict[int, torch.Tensor] = {}
         self._finished = True
         self.failure: str | None = None  # the first bucket of this refit that did not rebuild, and why
@@ -264,6 +291,8 @@ class DeltaReceiver:
         """Whether this receiver holds every bucket of `plan` as last sent (a delta refit can follow)."""
         if plan != self._plan or not self._finished:
             self._held = {}
+        if plan != self._plan:
+            self._host.clear()
         self._plan, self._finished = plan, False
         self.failure, self.seconds = None, None
         return len(self._held) == len(plan.buckets)
@@ -278,7 +307,7 @@ class DeltaReceiver:
         try:
             rebuilt = apply(self._held.pop(encoded.index, None), encoded, out)
             # a receiver's buffer is reused for the next buckets, and a GPU's memory is the engine's
-            self._held[encoded.index] = rebuilt if out is None else rebuilt.to("cpu", copy=True)
+            self._held[encoded.index] = rebuilt if out is None else self._host.keep(encoded.index, rebuilt, reused=True)
         except RefitIntegrityError as error:
             self.failure, self._held = str(error), {}
             return None

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlkit.refit.delta import _pack_bits, _unpack_bits, apply, delta_metrics, encode, word_bytes
+from rlkit.refit.delta import HostCopies, _pack_bits, _unpack_bits, apply, delta_metrics, encode, word_bytes
 from rlkit.refit.plan import RefitIntegrityError, RefitPlan
 
 
@@ -235,3 +235,14 @@ def test_small_adam_steps_change_few_exported_bf16_weights():
         assert 0 < metrics["refit/delta_fraction"] < 0.25, f"step {step}: {metrics}"
         assert metrics["refit/delta_bytes"] < 0.5 * metrics["refit/dense_bytes"], f"step {step}: {metrics}"
         assert {e.encoding for e in encoded} <= {"indices", "bitmap"}, f"step {step}: {metrics}"
+
+
+def test_host_copies_keep_a_reused_buffer_in_one_buffer_per_bucket_and_an_unused_one_as_it_is():
+    copies, buffer = HostCopies(), torch.arange(16, dtype=torch.uint8)
+    kept = copies.keep(3, buffer, reused=True)
+    buffer.zero_()  # the receiver's transfer buffer takes the next bucket
+    assert torch.equal(kept, torch.arange(16, dtype=torch.uint8))
+    again = copies.keep(3, torch.full((16,), 7, dtype=torch.uint8), reused=True)
+    assert again.data_ptr() == kept.data_ptr() and int(again[0]) == 7  # overwritten at every refit, not reallocated
+    unused = torch.ones(16, dtype=torch.uint8)
+    assert copies.keep(4, unused, reused=False) is unused  # the sender's own packed bucket: no copy
