@@ -78,13 +78,17 @@ def _generation_worker(cfg: RootConfig, model_dir: str, pg, placement: Placement
 
 def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
                   with_critic: bool = False, clock: StartupClock | None = None,
-                  pool: WarmPool | None = None) -> RunWorkers:
+                  pool: WarmPool | None = None, started_cluster: bool | None = None) -> RunWorkers:
     """Policy (and generation) workers on a new placement group; with_critic reserves room on the
     policy's bundles for the critic that start_critic adds later. clock: where the phases' seconds go.
-    pool: take the workers from it instead (CPU, this node), no placement group."""
+    pool: take the workers from it instead (CPU, this node), no placement group. started_cluster:
+    the caller has joined or started Ray already (True: started a local cluster, which the workers'
+    shutdown then stops); None: joined or started here."""
     clock = clock or StartupClock()
-    with clock.phase("ray"):
-        started = join_or_start_ray(cfg.cluster)
+    if started_cluster is None:
+        with clock.phase("ray"):
+            started_cluster = join_or_start_ray(cfg.cluster)
+    started = started_cluster
     device = device_kind()
     missing = optional_kernels_missing()
     if missing:

@@ -88,6 +88,7 @@ class VllmEngineConfig:
     gpu_memory_utilization: float = MISSING
     max_model_len: int = MISSING
     enforce_eager: bool = MISSING
+    torch_compile: bool = MISSING
     seed_per_request: bool = MISSING
     engine_process: bool = MISSING
 

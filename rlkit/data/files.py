@@ -18,11 +18,11 @@ def load_rows(source: str, max_row_bytes: int, split: str = "train", subset: str
     """All rows of a local .json/.jsonl/.parquet file, or of one split of a local dataset folder or
     a hub dataset (subset: the hub dataset's configuration, e.g. "main" for openai/gsm8k). A row
     whose text is over max_row_bytes (data.max_row_bytes) is an error naming it and its largest field."""
+    missing = missing_file(source)
+    if missing:
+        raise FileNotFoundError(missing)
     path = Path(source).expanduser()
     suffix = path.suffix.lower()
-    looks_local = suffix in LOCAL_FORMATS or source.startswith(("/", "./", "../", "~"))
-    if looks_local and not path.exists():
-        raise FileNotFoundError(f"{source}: no such file; check the path (it is read as a local data file)")
     if path.is_file():
         if suffix not in LOCAL_FORMATS:
             raise ValueError(f"{source}: unsupported file type '{path.suffix}'; give a .json, .jsonl or .parquet file")
@@ -41,6 +41,16 @@ def load_rows(source: str, max_row_bytes: int, split: str = "train", subset: str
                              f"{max_row_bytes} (field '{field}' holds {sizes[field]}); shorten or drop the row, "
                              f"or raise data.max_row_bytes")
     return rows
+
+
+def missing_file(source: str) -> str | None:
+    """Why `source`, read as a local data file, cannot be: it is not there. None when it is, or
+    when it names a dataset folder or a hub dataset."""
+    path = Path(source).expanduser()
+    looks_local = path.suffix.lower() in LOCAL_FORMATS or source.startswith(("/", "./", "../", "~"))
+    if looks_local and not path.exists():
+        return f"{source}: no such file; check the path (it is read as a local data file)"
+    return None
 
 
 def _json_rows(path: Path, source: str) -> list[dict]:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from rlkit.algorithms.registry import load_algorithm
 from rlkit.config.schema import ConfigError, RootConfig
-from rlkit.data.files import foreign_file
+from rlkit.data.files import foreign_file, missing_file
 from rlkit.data.synthetic import generated_sets, refused
 from rlkit.envs.base import Environment, import_target
 
@@ -32,6 +32,11 @@ def check_config(cfg: RootConfig) -> None:
     rollouts = load_algorithm(cfg.algorithm.name).rollouts
     if cfg.data.synthetic is not None:
         _check_generated_data(cfg)
+    else:  # at once: the files are read only once the tokenizer has loaded and Ray has started
+        for key, path in [("data.train_path", cfg.data.train_path), ("data.val_path", cfg.data.val_path)]:
+            missing = path is not None and missing_file(path)
+            if missing:
+                raise ConfigError(f"{key}: {missing}")
     if rollouts and cfg.algorithm.max_staleness >= cfg.algorithm.num_steps:
         a = cfg.algorithm
         raise ConfigError(f"algorithm.max_staleness: must be below algorithm.num_steps, or every rollout comes from "

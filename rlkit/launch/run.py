@@ -4,6 +4,7 @@ and cleanup. Also the two other commands that start workers: verify-refit and co
 
 import logging
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from rlkit.algorithms.loop import RunContext, RunResult, RunStopped, run_steps
 from rlkit.algorithms.registry import load_algorithm
 from rlkit.algorithms.warm_start import cached_warm_start, warm_start_dir
 from rlkit.checkpoint import CheckpointManager
+from rlkit.cluster.ray_runtime import join_or_start_ray, stop_local_ray
 from rlkit.cluster.setup import start_workers
 from rlkit.cluster.warm_pool import WarmPool
 from rlkit.config.schema import ConfigError, RootConfig
@@ -56,35 +58,43 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
         saved = OmegaConf.load(resume_from / "config.yaml")
         check_expert_layout(cfg, saved, resume_from)
         check_resumed_schedule(cfg, saved, resume_from)
-    with clock.phase("model_tokenizer_data"):
-        model_dir = resolve_model_dir(cfg)
-        tokenizer = load_tokenizer(model_dir)
-        data = algorithm.load_data(cfg, tokenizer)
-        if algorithm.rollouts:
-            check_prompts(cfg, data, tokenizer)
-    start_dir, warm_dir = model_dir, None
-    if algorithm.warm_start is not None:
-        start_dir, warm_dir = warm_start_dir(cfg, model_dir, resume_from, algorithm.uses_reference(cfg.algorithm),
-                                             *data.identity)
-    if resume_from is None and warm_dir is not None and cfg.policy.peft is not None:
-        # adapters on a model that never answers learn too little to start from: the warm start
-        # tunes every weight, on workers of its own, and the adapters train on top of its result
-        full_tuning = replace(cfg, policy=replace(cfg.policy, peft=None))
-        with clock.phase("warm_start"):
-            warm_workers = start_workers(full_tuning, str(start_dir), with_generation=False, with_critic=False,
-                                         pool=pool)
-            try:
-                with stop_on_signals(cfg.checkpoint.interrupt_grace_s) as stop_requested:
-                    _warm_start(full_tuning, algorithm, warm_workers.policy, tokenizer, data, warm_dir, stop_requested)
-            finally:
-                warm_workers.shutdown(failed=_failing())
-        start_dir, warm_dir = warm_dir, None
-    if resume_from is not None:
-        check_base(resume_from / "policy", str(start_dir), cfg.policy.peft is not None, "checkpoint.resume")
-    elif cfg.policy.peft is not None and cfg.policy.peft.init_from is not None:
-        check_base(Path(cfg.policy.peft.init_from) / "policy", str(start_dir), True, "policy.peft.init_from")
+    # the tokenizer and data load while Ray starts (on a GPU machine each takes 5-9 s); Ray's own
+    # processes die with the thread that started them, so Ray starts on this one
+    with ThreadPoolExecutor(1, thread_name_prefix="rlkit-data") as executor:
+        loading = executor.submit(_model_tokenizer_data, cfg, algorithm, clock)
+        with clock.phase("ray"):
+            started_cluster = join_or_start_ray(cfg.cluster)
+    try:
+        model_dir, tokenizer, data = loading.result()  # bad data stops the run before any worker starts
+        start_dir, warm_dir = model_dir, None
+        if algorithm.warm_start is not None:
+            start_dir, warm_dir = warm_start_dir(cfg, model_dir, resume_from, algorithm.uses_reference(cfg.algorithm),
+                                                 *data.identity)
+        if resume_from is None and warm_dir is not None and cfg.policy.peft is not None:
+            # adapters on a model that never answers learn too little to start from: the warm start
+            # tunes every weight, on workers of its own, and the adapters train on top of its result
+            full_tuning = replace(cfg, policy=replace(cfg.policy, peft=None))
+            with clock.phase("warm_start"):
+                warm_workers = start_workers(full_tuning, str(start_dir), with_generation=False, with_critic=False,
+                                             pool=pool, started_cluster=started_cluster)
+                started_cluster = None  # the warm start's workers stop the cluster they were given
+                try:
+                    with stop_on_signals(cfg.checkpoint.interrupt_grace_s) as stop_requested:
+                        _warm_start(full_tuning, algorithm, warm_workers.policy, tokenizer, data, warm_dir,
+                                    stop_requested)
+                finally:
+                    warm_workers.shutdown(failed=_failing())
+            start_dir, warm_dir = warm_dir, None
+        if resume_from is not None:
+            check_base(resume_from / "policy", str(start_dir), cfg.policy.peft is not None, "checkpoint.resume")
+        elif cfg.policy.peft is not None and cfg.policy.peft.init_from is not None:
+            check_base(Path(cfg.policy.peft.init_from) / "policy", str(start_dir), True, "policy.peft.init_from")
+    except BaseException:
+        if started_cluster:  # started for this run and given to no workers yet
+            stop_local_ray(keep_logs=False)
+        raise
     workers = start_workers(cfg, str(start_dir), with_generation=algorithm.rollouts, with_critic=algorithm.critic,
-                            clock=clock, pool=pool)
+                            clock=clock, pool=pool, started_cluster=started_cluster)
     logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state_step)
     trainer = None
     try:
@@ -102,6 +112,17 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
             trainer.close()
         logger.close()
         workers.shutdown(failed=_failing())
+
+
+def _model_tokenizer_data(cfg: RootConfig, algorithm, clock: StartupClock):
+    """The model's directory, its tokenizer and the algorithm's data, its prompts checked."""
+    with clock.phase("model_tokenizer_data"):
+        model_dir = resolve_model_dir(cfg)
+        tokenizer = load_tokenizer(model_dir)
+        data = algorithm.load_data(cfg, tokenizer)
+        if algorithm.rollouts:
+            check_prompts(cfg, data, tokenizer)
+    return model_dir, tokenizer, data
 
 
 def _warm_start(cfg: RootConfig, algorithm, policy, tokenizer, data, warm_dir: Path, stop_requested) -> None:

@@ -40,6 +40,11 @@ def _inspect_architectures_here() -> None:
         registry._run_in_subprocess = lambda inspect: inspect()
 
 
+# generation.vllm.torch_compile=false: no compilation (its ~20 s on a machine without vLLM's cache),
+# and whole-model CUDA graphs for the decode steps, which are most of a rollout's steps
+WITHOUT_TORCH_COMPILE = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
 class VLLMGenerationWorker(GenerationWorker):
     """Starts with dummy weights: real weights arrive only through refit. With `adapter`
     (policy.peft under refit.peft=adapter) it starts from the checkpoint's real weights, with LoRA
@@ -82,6 +87,7 @@ class VLLMGenerationWorker(GenerationWorker):
                            distributed_executor_backend="mp" if v.tensor_parallel_size > 1 else None,
                            gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
                            enforce_eager=v.enforce_eager, seed=seed + rank,
+                           compilation_config=None if v.torch_compile else WITHOUT_TORCH_COMPILE,
                            load_format="dummy" if adapter is None else "auto",
                            dtype="bfloat16" if cfg.precision == "bf16" else "float32",
                            enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",
