@@ -55,8 +55,8 @@ def _start_local(cfg: ClusterConfig) -> None:
     start_api_server = Node.start_api_server
     Node.start_api_server = lambda node, **_: setattr(node, "_webui_url", "")
     global _fork_server
-    _fork_server = ForkServer.start() if cfg.fork_workers and fork_server_available() else None
     try:
+        _fork_server = ForkServer.start() if cfg.fork_workers and fork_server_available() else None
         # address="local" ignores a stale /tmp/ray/ray_current_cluster
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
                  object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True,

@@ -88,7 +88,6 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
     if started_cluster is None:
         with clock.phase("ray"):
             started_cluster = join_or_start_ray(cfg.cluster)
-    started = started_cluster
     device = device_kind()
     missing = optional_kernels_missing()
     if missing:
@@ -100,7 +99,7 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
     if pool is not None:
         if device != "CPU":
             raise ValueError(f"a WarmPool holds CPU workers only; this node has {device}s: start the run without one")
-        return _start_groups(cfg, model_dir, None, placement, device, started, with_generation, clock, pool)
+        return _start_groups(cfg, model_dir, None, placement, device, started_cluster, with_generation, clock, pool)
     pg = placement_group(placement.bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=cfg.cluster.call_timeout_s)
@@ -109,7 +108,7 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
                            f"for cluster.placement={cfg.cluster.placement}; it has {ray.cluster_resources()}. "
                            f"Lower policy.num_workers / generation.num_workers or raise cluster.num_cpus") from None
     try:
-        return _start_groups(cfg, model_dir, pg, placement, device, started, with_generation, clock)
+        return _start_groups(cfg, model_dir, pg, placement, device, started_cluster, with_generation, clock)
     except BaseException:
         # a worker that failed to start must not leave its bundles reserved for the next attempt
         remove_placement_group(pg)
