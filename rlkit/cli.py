@@ -29,6 +29,9 @@ def _train(args) -> int:
     if args.cfg == "job":
         sys.stdout.write(OmegaConf.to_yaml(resolved, resolve=True))
         return 0
+    from rlkit.cluster.fork_server import start_ahead
+
+    start_ahead(cfg.cluster.fork_workers, cfg.cluster.address)  # its imports overlap the driver's
     from rlkit.algorithms.loop import RunStopped
     from rlkit.launch.run import train
     from rlkit.observability.startup import StartupClock

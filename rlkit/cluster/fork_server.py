@@ -1,22 +1,26 @@
-"""Workers of a local CPU cluster fork from one process that has imported torch, transformers and
-megatron-core once (cluster.fork_workers), instead of each importing them: 5-8 s of CPU per worker
-process on a small machine, most of a run's start-up there.
+"""Workers of a local cluster fork from one process that has imported their libraries once
+(cluster.fork_workers), instead of each importing them: on a small CPU machine torch, transformers and
+megatron-core (5-8 s of CPU per worker process, most of a run's start-up there); on a GPU machine
+vLLM and megatron-core too (vLLM's import alone is 12-19 s on an H100 host, on the run's critical path).
 
-The driver starts the server before Ray (`ForkServer.start`), which imports the modules while Ray
-starts, and gives Ray a job runtime_env whose py_executable is rlkit/cluster/fork_client.py: the
-raylet starts each Python worker through that client, and the server forks the worker with the
-client's arguments, environment, working directory and standard streams. The worker registers with
-the raylet under its own pid; the client lives as long as it does and exits with its status.
-Lifetimes are tied both ways: a worker dies with the server (by the kernel: PR_SET_PDEATHSIG), the
-server with the driver process (it holds a pipe's read end, whose write end only the driver has),
-a worker with its client (the server kills a worker whose client's connection closes), and a
-client exits when its worker does.
+A `rlkit train` command starts the server as it begins (`start_ahead`), so the server imports while
+the driver imports, Ray starts and the data loads; the local cluster's start takes it, or starts
+one (`ForkServer.start`), and gives Ray a job runtime_env whose py_executable is
+rlkit/cluster/fork_client.py: the raylet starts each Python worker through that client, and the
+server forks the worker with the client's arguments, environment, working directory and standard
+streams. The worker registers with the raylet under its own pid; the client lives as long as it
+does and exits with its status. Lifetimes are tied both ways: a worker dies with the server (by the
+kernel: PR_SET_PDEATHSIG), the server with the driver process (it holds a pipe's read end, whose
+write end only the driver has), a worker with its client (the server kills a worker whose client's
+connection closes), and a client exits when its worker does.
 
-Forking is safe only from a process that runs no Python thread and has run no parallel torch op,
-and only before Ray is imported (Ray reads its environment and authentication once, as it imports): the
-server checks the first and the last after preloading and otherwise serves no one, so every client execs a
-worker of its own. Linux only; never where a GPU is (CUDA must not be initialized before a fork,
-and vLLM starts its own processes)."""
+Forking is safe only from a process that runs no Python thread, has run no parallel torch op and
+has not initialized CUDA's driver (a forked child could not use CUDA), and only if Ray was not
+imported (Ray reads its environment and authentication once, as it imports). So the server keeps
+Ray out while it preloads (a module that imports Ray only where it can, as vLLM does, sees it
+missing and is imported again in each worker, where Ray is there), checks CUDA's availability by
+NVML alone, and checks the rest after preloading; where one does not hold it serves no one, and
+every client execs a worker of its own. Linux only."""
 
 import array
 import atexit
@@ -47,12 +51,43 @@ log = logging.getLogger(__name__)
 PRELOAD = ("transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
            "rlkit.workers.policy.megatron", "rlkit.workers.policy.cpu_compat:import_megatron", "mbridge",
            "rlkit.workers.generation.hf")
+# what GPU workers import: vLLM's engine first (the generation workers ask first), then the Megatron
+# worker's module, megatron-core as a GPU run imports it, the bridge, and the checker of the GPU
+# recipes' math environment (math-verify, with sympy)
+GPU_PRELOAD = ("vllm.entrypoints.llm", "rlkit.workers.generation.vllm", "rlkit.workers.policy.megatron",
+               "megatron.core.parallel_state", "megatron.core.tensor_parallel.random", "mbridge", "math_verify")
 _PR_SET_PDEATHSIG = 1
 
 
 def available() -> bool:
-    """Whether this machine's local cluster can fork its workers: Linux, and no NVIDIA GPU."""
-    return sys.platform == "linux" and not Path("/dev/nvidiactl").exists()
+    """Whether this machine's local cluster can fork its workers: Linux."""
+    return sys.platform == "linux"
+
+
+def preload_here() -> tuple[str, ...]:
+    """The modules this machine's workers import: GPU_PRELOAD where an NVIDIA GPU is, else PRELOAD."""
+    return GPU_PRELOAD if Path("/dev/nvidiactl").exists() else PRELOAD
+
+
+_ahead: "ForkServer | None" = None  # started by start_ahead, until the local cluster takes it
+
+
+def start_ahead(fork_workers: bool, address: str | None) -> None:
+    """At the start of a command that will start a local cluster (no cluster address, no
+    RAY_ADDRESS other than "local"): the server, importing while the driver does."""
+    global _ahead
+    if fork_workers and available() and (address or os.environ.get("RAY_ADDRESS") or "local") == "local":
+        _ahead = ForkServer.start()
+
+
+def take_started_ahead() -> "ForkServer | None":
+    """The server start_ahead started (once; None if it did not, or it has died)."""
+    global _ahead
+    server, _ahead = _ahead, None
+    if server is not None and server.process.poll() is not None:
+        server.stop()
+        return None
+    return server
 
 
 class ForkServer:
@@ -63,15 +98,18 @@ class ForkServer:
         self.socket = directory / "fork.sock"
 
     @classmethod
-    def start(cls, preload: tuple[str, ...] = PRELOAD, timeout_s: float = 30) -> "ForkServer":
+    def start(cls, preload: tuple[str, ...] | None = None, timeout_s: float = 30) -> "ForkServer":
         """Start the server and wait until it listens (it preloads afterwards, while clients queue).
-        preload: module names, or module:function to call once imported."""
+        preload: module names, or module:function to call once imported (default: preload_here())."""
         directory = Path(tempfile.mkdtemp(prefix="rlkit-fork-"))  # short: a socket path fits 107 bytes
         # the server's read end sees EOF when this process ends, however it ends (PR_SET_PDEATHSIG
         # would follow the thread that started the server, which may end first)
         lifeline_read, lifeline = os.pipe()
+        # torch asks NVML, not CUDA's driver, whether a GPU is there (a module that asks as it imports)
+        env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         process = subprocess.Popen([sys.executable, "-m", "rlkit.cluster.fork_server", str(directory / "fork.sock"),
-                                    str(lifeline_read), *preload], stdin=subprocess.DEVNULL, pass_fds=(lifeline_read,))
+                                    str(lifeline_read), *(preload_here() if preload is None else preload)],
+                                   stdin=subprocess.DEVNULL, pass_fds=(lifeline_read,), env=env)
         os.close(lifeline_read)
         server = cls(process, directory, lifeline)
         atexit.register(server.stop)
@@ -122,7 +160,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def preload(names: tuple[str, ...]) -> str | None:
-    """Import names; returns why forking is unsafe after that, or None."""
+    """Import names, with Ray kept out; returns why forking is unsafe after that, or None."""
+    sys.modules.setdefault("ray", None)  # `import ray` raises ImportError while this placeholder is there
     for name in names:
         module, _, function = name.partition(":")
         try:
@@ -132,10 +171,39 @@ def preload(names: tuple[str, ...]) -> str | None:
             continue
         if function:
             getattr(imported, function)()
-    if "ray" in sys.modules:
+    if sys.modules.get("ray") is not None:
         return "a preloaded module imported Ray"
+    if _cuda_driver_initialized():
+        return "a preloaded module initialized CUDA"
     # Python threads only: torch's import starts a native one, which DataLoader's forked workers inherit too
     return f"{threading.active_count()} threads after preloading" if threading.active_count() > 1 else None
+
+
+def _cuda_driver_initialized() -> bool:
+    """Whether this process has initialized CUDA's driver (cuInit): a forked child could not use it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no NVIDIA driver here
+        return False
+    count = ctypes.c_int()
+    return libcuda.cuDeviceGetCount(ctypes.byref(count)) == 0  # CUDA_ERROR_NOT_INITIALIZED before cuInit
+
+
+def _without_ray() -> list[str]:
+    """The modules preloading left with `ray = None` (they import it only where they can)."""
+    return [name for name, module in sys.modules.items()
+            if module is not None and vars(module).get("ray", False) is None]
+
+
+def _with_ray(names: list[str]) -> None:
+    """In a worker: Ray importable again, and the modules that found it missing imported again."""
+    if "ray" in sys.modules and sys.modules["ray"] is None:
+        del sys.modules["ray"]
+    for name in names:
+        importlib.reload(sys.modules[name])
 
 
 def _receive_request(connection: socket.socket) -> tuple[dict, list[int]]:
@@ -153,7 +221,7 @@ def _receive_request(connection: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), list(fds)
 
 
-def _become_worker(request: dict, fds: list[int], server: int) -> None:
+def _become_worker(request: dict, fds: list[int], server: int, without_ray: list[str]) -> None:
     """In the forked child: the process a fresh `python default_worker.py ...` would be. Never returns."""
     _die_with_parent(server)
     for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
@@ -176,6 +244,7 @@ def _become_worker(request: dict, fds: list[int], server: int) -> None:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     code = 0
     try:
+        _with_ray(without_ray)  # with the worker's environment, as the script's own import of Ray would
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
@@ -203,6 +272,7 @@ def serve(path: str, lifeline: int, modules: tuple[str, ...]) -> None:
     if unsafe:
         print(f"rlkit fork server: {unsafe}; each worker starts on its own", file=sys.stderr, flush=True)
         return  # the clients' connections close: each execs a worker of its own
+    without_ray = _without_ray()
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
@@ -231,7 +301,7 @@ def serve(path: str, lifeline: int, modules: tuple[str, ...]) -> None:
                                *(c.detach() for c in workers.values())):
                         os.close(fd)
                     connection.close()  # held here, a dead server's client would wait on it forever
-                    _become_worker(request, fds, server)
+                    _become_worker(request, fds, server, without_ray)
                 for fd in fds:
                     os.close(fd)
                 try:

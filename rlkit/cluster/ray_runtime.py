@@ -12,7 +12,7 @@ import ray
 from ray._private import ray_constants, services
 from ray._private.node import Node
 
-from rlkit.cluster.fork_server import ForkServer
+from rlkit.cluster.fork_server import ForkServer, take_started_ahead
 from rlkit.cluster.fork_server import available as fork_server_available
 from rlkit.config.schema import ClusterConfig, ConfigError
 
@@ -56,7 +56,9 @@ def _start_local(cfg: ClusterConfig) -> None:
     Node.start_api_server = lambda node, **_: setattr(node, "_webui_url", "")
     global _fork_server
     try:
-        _fork_server = ForkServer.start() if cfg.fork_workers and fork_server_available() else None
+        _fork_server = take_started_ahead()  # a command's, started as it began
+        if _fork_server is None and cfg.fork_workers and fork_server_available():
+            _fork_server = ForkServer.start()
         # address="local" ignores a stale /tmp/ray/ray_current_cluster
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
                  object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True,

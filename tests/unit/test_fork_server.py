@@ -3,10 +3,12 @@ a worker started through fork_client.py is a child of the server that runs the s
 client's arguments, environment, working directory and standard streams, and the client exits with
 its status; lifetimes are tied (a client's signal reaches its worker, a killed client's worker is
 killed, a stopped server's workers die, and so does a server whose driver process ended, even
-after the thread that started it); with no server, or one whose preload imported Ray, the
-client becomes the worker itself. The default preload is fork-safe (it imports no Ray, starts no
-Python thread)."""
+after the thread that started it); with no server, or one whose preload started a thread, the
+client becomes the worker itself; Ray is kept out of the preload and is there in each worker. The
+default preload is fork-safe (it imports no Ray, starts no Python thread, initializes no CUDA); a
+command starts its server ahead only where it will start a local cluster."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -19,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rlkit.cluster import fork_server
 from rlkit.cluster.fork_server import ForkServer
 
 CLIENT = Path(__file__).parents[2] / "rlkit" / "cluster" / "fork_client.py"
@@ -108,21 +111,75 @@ def test_without_a_server_the_client_becomes_the_worker(tmp_path, script):
     assert seen["ppid"] == os.getpid()  # exec'd in place: the process this test started
 
 
-def test_a_server_whose_preload_imports_ray_serves_no_one(script):
-    refusing = ForkServer.start(preload=("ray",))
+RAY_USER = textwrap.dedent("""\
+    import json, os, sys
+    import guarded  # preloaded by the server
+    import ray  # what Ray's default_worker.py imports first
+    print(json.dumps({"ppid": os.getppid(), "guarded_ray": getattr(guarded.ray, "__name__", None),
+                      "same_ray": guarded.ray is ray}), flush=True)
+""")
+
+
+def test_ray_is_kept_out_of_the_preload_and_is_there_in_each_worker(tmp_path, monkeypatch):
+    """A module that imports Ray only where it can (as vLLM does) is preloaded without it, and
+    imported again in each worker, where it finds Ray; one that needs Ray is left to the workers."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "guarded.py").write_text("try:\n    import ray\nexcept ImportError:\n    ray = None\n")
+    (tmp_path / "worker.py").write_text(RAY_USER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+    server = ForkServer.start(preload=("guarded", "ray"))
+    try:
+        status, out, err = run_worker(server.socket, tmp_path / "worker.py")
+        assert status == 0, err
+        assert json.loads(out) == {"ppid": server.process.pid, "guarded_ray": "ray", "same_ray": True}
+    finally:
+        server.stop()
+
+
+def test_a_server_whose_preload_starts_a_thread_serves_no_one(tmp_path, script, monkeypatch):
+    (tmp_path / "lib" / "threaded.py").write_text("import threading, time\n"
+                                                   "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+    refusing = ForkServer.start(preload=("threaded",))
     try:
         status, out, _ = run_worker(refusing.socket, script, "exit", "0")
-        assert status == 0 and json.loads(out)["ppid"] == os.getpid()
+        assert status == 0 and json.loads(out)["ppid"] == os.getpid()  # exec'd by its client
     finally:
         refusing.stop()
 
 
-def test_the_default_preload_is_fork_safe():
-    """What every CPU run's server imports: no Ray, no Python thread (one subprocess, about 5 s)."""
-    checked = subprocess.run([sys.executable, "-c", "from rlkit.cluster.fork_server import PRELOAD, preload; "
-                              "print(preload(PRELOAD))"], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("fork_workers,address,ray_address,started", [
+    (True, None, None, True), (True, None, "local", True), (True, "local", None, True),
+    (False, None, None, False), (True, "10.0.0.1:6379", None, False), (True, None, "auto", False)])
+def test_a_command_starts_its_server_ahead_only_for_a_local_cluster(monkeypatch, fork_workers, address,
+                                                                     ray_address, started):
+    if ray_address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    monkeypatch.setattr(fork_server, "preload_here", lambda: ("json",))
+    fork_server.start_ahead(fork_workers, address)
+    server = fork_server.take_started_ahead()
+    try:
+        assert (server is not None) == started
+        assert fork_server.take_started_ahead() is None  # taken once
+    finally:
+        if server is not None:
+            server.stop()
+
+
+@pytest.mark.parametrize("modules", ["PRELOAD", "GPU_PRELOAD"])
+def test_the_default_preload_is_fork_safe(modules):
+    """What every run's server imports (vLLM only where it is installed): no Ray, no Python thread,
+    no CUDA, and every module that is installed imported (one subprocess, about 5 s)."""
+    code = (f"import sys; from rlkit.cluster.fork_server import {modules}, preload; print(preload({modules})); "
+            f"print(','.join(m for m in {modules} if m.partition(':')[0] not in sys.modules))")
+    checked = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stderr[-2000:]
-    assert checked.stdout.strip().splitlines()[-1] == "None"
+    unsafe, not_imported = checked.stdout.splitlines()[-2:]
+    assert unsafe == "None"
+    uninstalled = {"vllm.entrypoints.llm"} if importlib.util.find_spec("vllm") is None else set()  # GPU machines only
+    assert set(filter(None, not_imported.split(","))) <= uninstalled
 
 
 def test_runtime_env_starts_workers_through_the_client(server):

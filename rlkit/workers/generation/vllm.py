@@ -18,7 +18,6 @@ import tempfile
 import threading
 import time
 
-import ray
 import torch
 
 from rlkit.bridge.adapters import write_hf_peft_adapter
@@ -65,6 +64,8 @@ class VLLMGenerationWorker(GenerationWorker):
         # parallelism) takes IPC handles and plans by pickle
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        import ray  # where used: a fork server imports this module before Ray (rlkit/cluster/fork_server.py)
+
         # the engine's process group on this node's address alone (its store: vllm_ext.py)
         node_address = ray.util.get_node_ip_address()
         os.environ.setdefault("VLLM_HOST_IP", node_address)
