@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -273,6 +274,9 @@ def serve(path: str, lifeline: int, modules: tuple[str, ...]) -> None:
         print(f"rlkit fork server: {unsafe}; each worker starts on its own", file=sys.stderr, flush=True)
         return  # the clients' connections close: each execs a worker of its own
     without_ray = _without_ray()
+    # Python 3.12 warns at every fork of a process with native threads: torch's import starts some
+    # (its thread pools, idle here), as it does in every process whose DataLoader forks workers
+    warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded", category=DeprecationWarning)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
