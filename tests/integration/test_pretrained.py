@@ -79,6 +79,11 @@ def test_checkpoint_is_smollm2_with_its_tokens_and_chat_template(smollm2, tokeni
     # SmolLM2's own template: its default system turn, then ChatML
     assert rendered.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert rendered.endswith("<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(smollm2)  # what load_tokenizer gives without AutoConfig's imports
+    assert type(tokenizer) is type(auto) and tokenizer.chat_template == auto.chat_template
+    assert tokenizer(rendered)["input_ids"] == auto(rendered)["input_ids"]
 
 
 def test_materializing_again_is_a_no_op_and_the_command_prints_the_path(smollm2):
