@@ -82,7 +82,7 @@ def test_a_signal_during_the_warm_start_stops_it_at_once(tmp_path, cache_dir):
     """The warm start has no checkpoint to finish: the first signal stops it, and its cache stays unwritten."""
     ray_dir, cached = Path(tempfile.mkdtemp(prefix="rk")), set(Path(cache_dir).glob("warm-start-*"))
     process = started_run(tmp_path, cache_dir, ray_dir, "algorithm.warm_start.sft_steps=100000",
-                          "algorithm.warm_start.batch_size=32")
+                          "algorithm.warm_start.batch_size=64")
     try:
         wait_for(process, tmp_path, "warm start SFT step 10/")
         said = stopped_by(process, signal.SIGTERM, tmp_path)

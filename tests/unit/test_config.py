@@ -151,16 +151,16 @@ ERRORS = [
      ["must be a multiple of", "= 4", "(got: 6)"],
      ["policy.tensor_parallel_size=2", "policy.pipeline_parallel_size=2", "policy.num_workers=4"]),
     ("global-batch-not-divisible", ["policy.train_global_batch_size=100"], "policy.train_global_batch_size",
-     ["divisible by DP (2) x policy.micro_batch_size (16) = 32", "(got: 100)", "set it to a multiple of 32"],
+     ["divisible by DP (2) x policy.micro_batch_size (32) = 64", "(got: 100)", "set it to a multiple of 64"],
      ["policy.train_global_batch_size=128"]),
     ("group-size-one", ["algorithm.group_size=1"], "algorithm.group_size",
      ["at least 2", "(got: 1)", "set it to 2 or more"],
      ["algorithm.group_size=4"]),  # 2 would then trip the rollout check: 32 x 2 = 64 is not a multiple of 128
-    # 96 is a multiple of DP x mbs = 32 but does not divide the rollout of 32 x 8 = 256
-    ("rollout-not-divisible", ["policy.train_global_batch_size=96"], "policy.train_global_batch_size",
-     ["must divide the rollout size", "algorithm.prompts_per_step x algorithm.group_size = 256", "(got: 96)"],
-     ["policy.train_global_batch_size=96", "algorithm.prompts_per_step=24"]),  # 24 x 8 = 192 = 2 x 96
-    # TP=3 with 3 workers: DP=1, so 128 % (1 x 16), 256 % 128 and the warm start 64 % 16 all pass, num_workers is a
+    # 192 is a multiple of DP x mbs = 64 but does not divide the rollout of 32 x 8 = 256
+    ("rollout-not-divisible", ["policy.train_global_batch_size=192"], "policy.train_global_batch_size",
+     ["must divide the rollout size", "algorithm.prompts_per_step x algorithm.group_size = 256", "(got: 192)"],
+     ["policy.train_global_batch_size=192", "algorithm.prompts_per_step=24"]),  # 24 x 8 = 192
+    # TP=3 with 3 workers and micro-batches of 16: DP=1, so 128 % (1 x 16), 256 % 128 and the warm start 64 % 16 all pass, num_workers is a
     # multiple of TP x PP = 3; the first check that fails is TP | 4 attention heads. The TP/heads check is reachable.
     ("tp-not-dividing-heads", ["policy.tensor_parallel_size=3", "policy.num_workers=3",
                                "policy.micro_batch_size=16", "policy.train_global_batch_size=128"],
@@ -225,9 +225,9 @@ ERRORS = [
     ("megatron-bridge-cp", ["policy.bridge=megatron_bridge", "policy.context_parallel_size=2"],
      "policy.context_parallel_size", ["runs with policy.context_parallel_size=1 only", "(got: 2)"],
      ["policy.bridge=mbridge", "policy.context_parallel_size=2"]),
-    # the recipe turns the warm start on (40 SFT steps); 48 is not a multiple of DP (2) x mbs (16) = 32
+    # the recipe turns the warm start on (40 SFT steps); 48 is not a multiple of DP (2) x mbs (32) = 64
     ("warm-start-batch-not-divisible", ["algorithm.warm_start.batch_size=48"], "algorithm.warm_start.batch_size",
-     ["divisible by DP (2) x policy.micro_batch_size (16)", "(got: 48)"], ["algorithm.warm_start.batch_size=96"]),
+     ["divisible by DP (2) x policy.micro_batch_size (32)", "(got: 48)"], ["algorithm.warm_start.batch_size=128"]),
     # the synthetic set: an empty or impossible one used to fail only at data loading, once the run had started
     ("synthetic-train-size-zero", ["data.synthetic.train_size=0"], "data.synthetic.train_size",
      ["must be >= 1", "(got: 0)"], ["data.synthetic.train_size=1"]),
@@ -347,11 +347,11 @@ def test_warm_start_batch_not_checked_when_warm_start_off():
 
 def test_warm_start_batch_error_says_what_to_set_it_to():
     """load.py's contract is `key: problem (got: value); fix`; its sibling for train_global_batch_size ends with
-    "; set it to a multiple of 32". The warm-start message stops at "(got: 48)" and never states the multiple."""
+    "; set it to a multiple of 64". The warm-start message stops at "(got: 48)" and never states the multiple."""
     message = load_error(["algorithm.warm_start.batch_size=48"])
     assert_names_key(message, "algorithm.warm_start.batch_size")
     assert re.search(r"\(got: 48\); .+", message), f"no fix after the problem: {message!r}"
-    assert "multiple of 32" in message, f"should say it must be a multiple of 32: {message!r}"
+    assert "multiple of 64" in message, f"should say it must be a multiple of 64: {message!r}"
 
 
 # ---- values the validator lets through or crashes on (bugs: see the report) --------------------------------
