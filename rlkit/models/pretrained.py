@@ -107,12 +107,8 @@ def _gguf_read_once():
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
+@_gguf_read_once()
 def _convert(gguf_file: Path, out: Path) -> None:
-    with _gguf_read_once():
-        _convert_read_once(gguf_file, out)
-
-
-def _convert_read_once(gguf_file: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
     source = dict(pretrained_model_name_or_path=gguf_file.parent, gguf_file=gguf_file.name)
