@@ -4,8 +4,8 @@ shared out between the workers.
 The fast tier first: tests/unit runs before the tiers that start Ray clusters and workers, so a
 failing run says so within minutes. Then the integration tests, the longest first, so that the
 workers end close together. A file's tests go to one worker, as they share its module fixtures
-and its session's Ray cluster and pool of workers; both workers share one cache of tiny models
-and warm starts (tests/integration/conftest.py)."""
+and its session's Ray cluster, pool of workers and cache of tiny models and warm starts
+(tests/integration/conftest.py)."""
 
 import pytest
 
@@ -13,8 +13,8 @@ import pytest
 LONGEST_FIRST = ("test_algorithms", "test_checkpoint", "test_env_workers", "test_async_grpo", "test_cli",
                  "test_interrupts", "test_pretrained", "test_loopback_cluster", "test_ray_job", "test_two_nodes",
                  "test_tool_episodes", "test_trajectory_flow")
-# files whose tests share no module fixture worth keeping together: each test can go to either worker
-EACH_TEST_APART = {"tests/integration/test_algorithms.py", "tests/integration/test_checkpoint.py"}
+# a file whose tests share little (a 60-step warm start): each test can go to either worker
+EACH_TEST_APART = {"tests/integration/test_checkpoint.py"}
 # files that use the results of another file's session fixture: they go to the same worker
 # (the runs on new workers; SmolLM2 converted once)
 BESIDE = {"tests/integration/test_warm_pool.py": "tests/integration/test_grpo_run.py",

