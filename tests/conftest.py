@@ -1,54 +1,43 @@
 """The order tests run in and, under pytest-xdist (`-n 2`, the README's command), how they are
-shared out between the workers.
+shared out between its two processes.
 
-The fast tier first: tests/unit runs before the tiers that start Ray clusters and workers, so a
-failing run says so within minutes. Then the integration tests, the longest first, so that the
-workers end close together. A file's tests go to one worker, as they share its module fixtures
-and its session's Ray cluster, pool of workers and cache of tiny models and warm starts
-(tests/integration/conftest.py)."""
+Alone, pytest runs tests/unit first, so a failing run says so within minutes rather than after
+the slow tiers. Under xdist one process runs tests/integration, in its files' order as alone, and
+the other runs tests/unit (then the GPU tier, skipped on a CPU machine) beside it. The integration
+tests stay in one process: they share its Ray cluster and pool of workers, and many start a local
+cluster of their own, whose raylet must register within Ray's fixed 30 s; with integration tests
+in both processes the two cores were loaded enough that some did not."""
+
+import os
 
 import pytest
 
-# integration files by their time in a full run, longest first (2-core machine, 21 min run); the others follow
-LONGEST_FIRST = ("test_algorithms", "test_checkpoint", "test_env_workers", "test_async_grpo", "test_cli",
-                 "test_interrupts", "test_pretrained", "test_loopback_cluster", "test_ray_job", "test_two_nodes",
-                 "test_tool_episodes", "test_trajectory_flow")
-# a file whose tests share little (a 60-step warm start): each test can go to either worker
-EACH_TEST_APART = {"tests/integration/test_checkpoint.py"}
-# files that use the results of another file's session fixture: they go to the same worker
-# (the runs on new workers; SmolLM2 converted once)
-BESIDE = {"tests/integration/test_warm_pool.py": "tests/integration/test_grpo_run.py",
-          "tests/integration/test_pretrained_grpo.py": "tests/integration/test_pretrained.py"}
-
-
-def _rank(item) -> tuple[int, int]:
-    tier = {"unit": 0, "integration": 1}.get(item.path.parent.name, 2)
-    stem = item.path.stem
-    return tier, LONGEST_FIRST.index(stem) if tier == 1 and stem in LONGEST_FIRST else len(LONGEST_FIRST)
+INTEGRATION = "tests/integration/"
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=_rank)  # stable: each file keeps its tests' order
+    # under xdist the integration tier is queued first, so one process takes it at once (ByTier)
+    first = "integration" if "PYTEST_XDIST_WORKER" in os.environ else "unit"
+    items.sort(key=lambda item: item.path.parent.name != first)  # stable: each tier keeps its order
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByFile(LoadScopeScheduling):
-        """Whole files, in the collection's order above (not xdist's largest-first)."""
+    class ByTier(LoadScopeScheduling):
+        """tests/integration as one unit of work; every other file a unit of its own."""
 
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return nodeid if path in EACH_TEST_APART else BESIDE.get(path, path)
+            return INTEGRATION if nodeid.startswith(INTEGRATION) else nodeid.split("::", 1)[0]
 
-    config.option.loadscopereorder = False
-    return ByFile(config, log)
+    config.option.loadscopereorder = False  # in the collection's order, not the largest unit first
+    return ByTier(config, log)
 
 
 class FileStarts:
     """Under pytest-xdist the progress is dots alone: a line names each file as its first test
-    starts, and the worker it runs on."""
+    starts, and the process it runs in."""
 
     def __init__(self, terminal):
         self.terminal, self.started = terminal, set()
