@@ -20,8 +20,6 @@ from rlkit.workers.policy.megatron import MegatronModelWorker as Model
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """run.cache_dir of the session's runs (each pytest-xdist worker its own: runs of different
-    data.synthetic settings write the same generated data files there)."""
     return tmp_path_factory.mktemp("rlkit_cache")
 
 
