@@ -14,7 +14,7 @@ from rlkit.algorithms.async_rollouts import PENDING_ROLLOUTS, generation_version
 from rlkit.launch.config import load_config
 from rlkit.launch.run import train
 from run_metrics import last_logged_step
-from test_checkpoint import compared, kill_when, start_run
+from test_checkpoint import compared, kill_when
 
 pytestmark = pytest.mark.integration
 ASYNC = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3", "algorithm.prompts_per_step=8",
@@ -67,9 +67,8 @@ def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, warm_pool, tmp
     and saved with step 2's checkpoint; the resumed run (the same command, here in this process on
     the pool's workers: see test_checkpoint.resumed) trains on them, then goes on."""
     run_dir = tmp_path / "grpo_async"
-    log = tmp_path / "run.log"
-    kill_when(start_run(train_command(tmp_path, cache_dir, flow), log), lambda: last_logged_step(run_dir) >= 3,
-              "after step 3", log)
+    kill_when(train_command(tmp_path, cache_dir, flow), lambda: last_logged_step(run_dir) >= 3, "after step 3",
+              tmp_path / "run.log")
     with caplog.at_level(logging.INFO, logger="rlkit"):
         train(*run_config(tmp_path, cache_dir, flow), pool=warm_pool)
     assert "continuing after step 2" in caplog.text

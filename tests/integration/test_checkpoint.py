@@ -61,16 +61,12 @@ def reference_run(warm_pool, tmp_path_factory, cache_dir):
     return run_in_process(warm_pool, "grpo_tiny_cpu", tmp_path_factory.mktemp("uninterrupted"), cache_dir)
 
 
-def start_run(command, log: Path) -> subprocess.Popen:
-    """The command as its own process group (a SIGKILL to it takes the driver and the local Ray
-    cluster it started), its output appended to log."""
+def kill_when(command, condition, point: str, log: Path, timeout_s=300):
+    """Start the command as its own process group (its output appended to log), SIGKILL the group
+    once condition() holds (the driver and the local Ray cluster it started); then nothing the run
+    started (Ray's processes and workers, and any process a worker started) may remain."""
     with open(log, "ab") as output:
-        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def kill_when(process, condition, point: str, log: Path, timeout_s=300):
-    """SIGKILL to the run's process group once condition() holds; then nothing the run started
-    (Ray's processes and workers, and any process a worker started) may remain."""
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     deadline, started = time.monotonic() + timeout_s, ProcessTree(process.pid)
     while not condition():
         assert process.poll() is None, f"the run ended before the kill point ({point}):\n{log.read_text()[-3000:]}"
@@ -79,7 +75,7 @@ def kill_when(process, condition, point: str, log: Path, timeout_s=300):
     started.look(sockets=False)  # quick, so the kill lands at its point; what ended before needs no check
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    assert any("MegatronModelWorker" in command for _, command in started.processes.values()), point
+    assert any("MegatronModelWorker" in line for _, line in started.processes.values()), point
     assert started.still_alive() == [], f"left running after a SIGKILL {point}"
 
 
@@ -102,8 +98,7 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, 
     lrs = [reference_run[step]["train/lr"] for step in range(1, 7)]  # one optimizer step per step
     assert lrs[0] < lrs[1] == lrs[2] > lrs[3] > lrs[5] == pytest.approx(0.1 * lrs[1])  # warmup, then cosine decay
     for point, condition in kill_points.items():
-        log = tmp_path / "run.log"
-        kill_when(start_run(train_command(tmp_path, cache_dir), log), condition, point, log)
+        kill_when(train_command(tmp_path, cache_dir), condition, point, tmp_path / "run.log")
     assert run_in_process(warm_pool, "grpo_tiny_cpu", tmp_path, cache_dir) == reference_run
     assert not any(".tmp-" in p.name for p in checkpoints.iterdir())  # the interrupted write was discarded
     assert [p.name for p in sorted(checkpoints.iterdir())] == ["step_000004", "step_000006"]  # keep_last 2
@@ -158,8 +153,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     assert all(reference[step]["train/grad_norm"] > 0 for step in range(1, 7))
     run_dir = killed / "grpo_tiny_lora_cpu"
     command = train_command(killed, cache_dir, recipe="grpo_tiny_lora_cpu")
-    kill_when(start_run(command, killed / "run.log"), lambda: last_logged_step(run_dir) >= 3, "after step 3",
-              killed / "run.log")
+    kill_when(command, lambda: last_logged_step(run_dir) >= 3, "after step 3", killed / "run.log")
     assert run_in_process(warm_pool, "grpo_tiny_lora_cpu", killed, cache_dir) == reference
 
     last = run_dir / "checkpoints" / "step_000006"
@@ -202,8 +196,7 @@ def test_a_tool_run_killed_with_sigkill_resumes_exactly(warm_pool, tmp_path_fact
     assert all(reference[step]["tools/calls"] > 0 for step in range(1, 5))  # the warm start taught the call
     run_dir = killed / "grpo_tiny_cpu_tools"
     command = train_command(killed, cache_dir, recipe="grpo_tiny_cpu_tools", run=TOOLS_RUN)
-    kill_when(start_run(command, killed / "run.log"), lambda: last_logged_step(run_dir) >= 3, "after step 3",
-              killed / "run.log")
+    kill_when(command, lambda: last_logged_step(run_dir) >= 3, "after step 3", killed / "run.log")
     assert run_in_process(warm_pool, "grpo_tiny_cpu_tools", killed, cache_dir, run=TOOLS_RUN) == reference
 
 
