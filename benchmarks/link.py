@@ -41,9 +41,12 @@ def token_env() -> dict:
 
 
 @contextmanager
-def two_local_nodes(env: dict, log_dir: Path, cpus_per_node: int = 1):
+def two_local_nodes(env: dict, log_dir: Path, cpus_per_node: int = 1, dashboard_ports: tuple[int, ...] = ()):
     """Yields the head's GCS address; the nodes run with `env` (token_env()) and log to
-    log_dir/head.log and worker.log; both stop on exit, by process group."""
+    log_dir/head.log and worker.log; both stop on exit, by process group. dashboard_ports: three
+    unused ports, for Ray's dashboard on the head (its job API: `ray job submit --address
+    http://<head>:<first port>`) and each node's dashboard agent (by default both agents would
+    take Ray's one default port)."""
     ray_cli = str(Path(sys.executable).parent / "ray")
     ray_dir = tempfile.mkdtemp(prefix="rlkit-2n-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     common = ["--block", f"--num-cpus={cpus_per_node}", "--disable-usage-stats"]
@@ -53,7 +56,10 @@ def two_local_nodes(env: dict, log_dir: Path, cpus_per_node: int = 1):
         # and writes its address to ray_current_cluster
         with open(log_dir / "head.log", "w") as log:
             nodes.append(subprocess.Popen(
-                [ray_cli, "start", "--head", f"--node-ip-address={NODES[0]}", "--port=0", "--include-dashboard=false",
+                [ray_cli, "start", "--head", f"--node-ip-address={NODES[0]}", "--port=0",
+                 *([f"--dashboard-host={NODES[0]}", f"--dashboard-port={dashboard_ports[0]}",
+                    f"--dashboard-agent-listen-port={dashboard_ports[1]}"] if dashboard_ports else
+                   ["--include-dashboard=false"]),
                  f"--temp-dir={ray_dir}", *common], stdout=log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True))
         address_file, deadline = Path(ray_dir) / "ray_current_cluster", time.monotonic() + 120
@@ -65,7 +71,8 @@ def two_local_nodes(env: dict, log_dir: Path, cpus_per_node: int = 1):
         address = address_file.read_text().strip()
         with open(log_dir / "worker.log", "w") as log:
             nodes.append(subprocess.Popen(
-                [ray_cli, "start", f"--address={address}", f"--node-ip-address={NODES[1]}", *common],
+                [ray_cli, "start", f"--address={address}", f"--node-ip-address={NODES[1]}", *common,
+                 *([f"--dashboard-agent-listen-port={dashboard_ports[2]}"] if dashboard_ports else [])],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         yield address
     finally:

@@ -1,11 +1,20 @@
 """A local Ray cluster for the whole integration session (loopback, no dashboard), configs that
 point at a session-private cache of tiny models, and a pool of worker processes that tests and
-their runs set up again for each model and layout."""
+their runs set up again for each model and layout; and one `rlkit train` command run as a user
+runs it, which several test files check for their claims."""
 
+import os
+import re
+import signal
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import ray
+from process_tree import ProcessTree
 
 from rlkit.cluster.groups import ModelWorkers
 from rlkit.cluster.ray_runtime import join_or_start_ray
@@ -122,3 +131,55 @@ def model_workers(warm_pool):
     holder = ModelWorkerPool(warm_pool)
     yield holder
     holder.release()
+
+
+README_ENV_EXAMPLE = re.compile(r"<!-- env-example -->\n```python\n(.*?)```.*?```bash\n(.*?)```", re.DOTALL)
+
+
+@dataclass
+class UserCommand:
+    """A finished `rlkit train` command: its argv (run in cwd), exit status and output, the
+    processes it started and the sockets they listened on (tree), and those still alive after it
+    ended (left_running, killed once found)."""
+    argv: list[str]
+    cwd: Path
+    env: dict
+    returncode: int
+    stderr: str
+    tree: ProcessTree
+    left_running: list[str]
+
+    def again(self) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv, cwd=self.cwd, env=self.env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def readme_environment_command(tmp_path_factory) -> UserCommand:
+    """The README's custom environment example as a user runs it: its code saved as my_env.py and
+    its `rlkit train` command run in that folder (RAY_ADDRESS unset: the command starts its own
+    local cluster), for 2 steps after a 2-step warm start, validating every step and checkpointing
+    the last, with a cache of its own (it builds its tiny model and trains its warm start). It is
+    watched from outside while it runs: every process under it and every socket they listen on.
+    test_cli, test_loopback_cluster and test_env_workers each check their claims on this one run (a
+    command's start-up is about 15 s of both cores)."""
+    folder = tmp_path_factory.mktemp("readme_env")
+    code, command = README_ENV_EXAMPLE.search((Path(__file__).resolve().parents[2] / "README.md").read_text()).groups()
+    (folder / "my_env.py").write_text(code)
+    words = command.strip().split()
+    assert words[:2] == ["rlkit", "train"], command
+    argv = [sys.executable, "-m", "rlkit.cli", *words[1:], "algorithm.num_steps=2", "algorithm.val_every=1",
+            "checkpoint.every=2", "algorithm.warm_start.sft_steps=2", "algorithm.prompts_per_step=8",
+            "policy.train_global_batch_size=64", f"run.cache_dir={folder / 'cache'}", f"run.output_dir={folder / 'out'}"]
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    with open(folder / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(argv, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                                   start_new_session=True)
+    tree = ProcessTree(process.pid)
+    try:
+        tree.watch(until=lambda: process.poll() is not None)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return UserCommand(argv, folder, env, process.returncode, (folder / "stderr.txt").read_text(), tree,
+                       tree.still_alive())

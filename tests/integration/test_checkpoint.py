@@ -80,9 +80,11 @@ def kill_when(command, condition, point: str, log: Path, timeout_s=300):
 
 
 def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, warm_pool, tmp_path, cache_dir):
-    """One run killed with SIGKILL at each point in turn (before its first checkpoint, after step 3,
-    and while a checkpoint is being written) and started again with the same command each time
-    ends with exactly the metrics of an uninterrupted run."""
+    """One run killed with SIGKILL at each point in turn and started again with the same command
+    each time ends with exactly the metrics of an uninterrupted run: killed before its first
+    checkpoint (after step 1; it starts over), then while step 4's checkpoint is being written,
+    two steps past the last complete one (step 2's: it resumes from there, discards the partial
+    write and trains steps 3 and 4 again)."""
     # the KL reference is the starting policy: exactly 0 before the first update
     assert reference_run[1]["train/reference_kl"] == 0.0
     # the warm start gives rewards to learn from: every step moves the weights that resume must restore
@@ -91,14 +93,16 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, 
     checkpoints = run_dir / "checkpoints"
     kill_points = {
         "after step 1": lambda: last_logged_step(run_dir) >= 1,
-        "after step 3": lambda: last_logged_step(run_dir) >= 3,
-        # a checkpoint directory that is still being written (step 4's, after resuming from step 2)
-        "while checkpointing": lambda: checkpoints.is_dir() and any(".tmp-" in p.name for p in checkpoints.iterdir()),
+        "while step 4's checkpoint is written": lambda: checkpoints.is_dir() and any(
+            p.name.startswith("step_000004.tmp-") for p in checkpoints.iterdir()),
     }
     lrs = [reference_run[step]["train/lr"] for step in range(1, 7)]  # one optimizer step per step
     assert lrs[0] < lrs[1] == lrs[2] > lrs[3] > lrs[5] == pytest.approx(0.1 * lrs[1])  # warmup, then cosine decay
     for point, condition in kill_points.items():
         kill_when(train_command(tmp_path, cache_dir), condition, point, tmp_path / "run.log")
+    # the second kill left step 4's write unfinished beside step 2's complete checkpoint
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert len(names) == 2 and names[0] == "step_000002" and names[1].startswith("step_000004.tmp-"), names
     assert run_in_process(warm_pool, "grpo_tiny_cpu", tmp_path, cache_dir) == reference_run
     assert not any(".tmp-" in p.name for p in checkpoints.iterdir())  # the interrupted write was discarded
     assert [p.name for p in sorted(checkpoints.iterdir())] == ["step_000004", "step_000006"]  # keep_last 2

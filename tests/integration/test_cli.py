@@ -1,50 +1,45 @@
-"""`rlkit train` as a user runs it: the command starts its own local Ray cluster, warm-starts
+"""`rlkit train` as a user runs it (the README's environment example, run once for the session:
+conftest.readme_environment_command): the command starts its own local Ray cluster, warm-starts
 (and caches the warm start), prints one line per step and no warnings, stops what it started, and
-run again once finished says so without starting anything."""
+run again once finished says so without starting anything. Config and data errors, and the
+refit check, each one line (the last two by the CLI's main in this process, on the session's
+cluster)."""
 
 import logging
 import subprocess
 import sys
 
 import pytest
+import ray
 
+from rlkit.cli import main
 from rlkit.launch.config import load_config
 from rlkit.launch.run import train
 
 pytestmark = pytest.mark.integration
 
 
-def _overrides(tmp_path) -> list[str]:
-    return [f"run.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'out'}", "algorithm.num_steps=2",
-            "algorithm.val_every=1", "algorithm.warm_start.sft_steps=2", "algorithm.prompts_per_step=8",
-            "policy.train_global_batch_size=64"]
-
-
-def _train(tmp_path, *overrides):
-    command = [sys.executable, "-m", "rlkit.cli", "train", "--config-name", "grpo_tiny_cpu", *_overrides(tmp_path),
-               *overrides]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
-
-
-def test_train_command_runs_and_reuses_its_warm_start(tmp_path, warm_pool, caplog):
-    first = _train(tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    log = first.stderr
+def test_train_command_runs_and_reuses_its_warm_start(readme_environment_command, warm_pool, caplog):
+    command = readme_environment_command
+    log = command.stderr
+    assert command.returncode == 0, log[-3000:]
     assert "started a local Ray cluster" in log
     assert "running 2 SFT steps" in log
     assert "step   1/2 [" in log and "step   2/2 [" in log and "| reward" in log and "val_acc" in log
-    assert (tmp_path / "out" / "grpo_tiny_cpu" / "metrics.jsonl").is_file()
+    assert (command.cwd / "out" / "grpo_tiny_cpu" / "metrics.jsonl").is_file()
     # expected warnings are said once, by the driver; no Python warning from any process
     assert "UserWarning" not in log and "c10d::broadcast_" not in log
     assert log.count("not installed: Megatron uses its PyTorch fallbacks") == 1
 
-    again = _train(tmp_path)  # finished: says so, starts nothing
+    again = command.again()  # finished: says so, starts nothing
     assert again.returncode == 0 and "grpo_tiny_cpu already finished" in again.stderr, again.stderr[-3000:]
     assert "started a local Ray cluster" not in again.stderr
 
-    # a new run of the same warm start loads it (in this process, on the pool's workers: the
-    # command's own start-up is the first one's)
-    cfg, resolved = load_config("grpo_tiny_cpu", [*_overrides(tmp_path), "run.name=second"])
+    # a new run of the same warm start (its key holds the model, data and warm-start settings, not
+    # the environment) loads it, in this process on the pool's workers
+    overrides = [word for word in command.argv[command.argv.index("grpo_tiny_cpu") + 1:]
+                 if not word.startswith("env.")]
+    cfg, resolved = load_config("grpo_tiny_cpu", [*overrides, "run.name=second"])
     with caplog.at_level(logging.INFO, logger="rlkit"):
         train(cfg, resolved, pool=warm_pool)
     assert "using the cached SFT checkpoint" in caplog.text
@@ -52,19 +47,29 @@ def test_train_command_runs_and_reuses_its_warm_start(tmp_path, warm_pool, caplo
 
 
 def test_config_error_exits_before_any_worker(tmp_path):
-    result = _train(tmp_path, "algorithm.group_size=1")
+    result = subprocess.run([sys.executable, "-m", "rlkit.cli", "train", "--config-name", "grpo_tiny_cpu",
+                             f"run.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'out'}",
+                             "algorithm.group_size=1"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "rlkit: config error: algorithm.group_size: GRPO needs at least 2 samples per prompt to compare "
         "(got: 1); set it to 2 or more"]
 
 
-def test_verify_refit_reports_float_noise_on_cpu(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "rlkit.cli", "verify-refit", "--config-name", "grpo_tiny_cpu",
-                             "--num-prompts", "16", f"run.cache_dir={tmp_path / 'cache'}"],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = dict(line.split(": ") for line in result.stdout.strip().splitlines())
+def in_this_process(capsys, *argv: str) -> tuple[int, str, str]:
+    """`rlkit <argv>` by the CLI's own main, in this process, joining the session's cluster
+    (cluster.address) instead of starting one: a command's start-up as its own process is
+    test_train_command_runs_and_reuses_its_warm_start's. Returns the exit status, stdout, stderr."""
+    status = main([*argv, f"cluster.address={ray.get_runtime_context().gcs_address}"])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_verify_refit_reports_float_noise_on_cpu(ray_cluster, cache_dir, capsys):
+    status, out, err = in_this_process(capsys, "verify-refit", "--config-name", "grpo_tiny_cpu", "--num-prompts", "16",
+                                       f"run.cache_dir={cache_dir}")
+    assert status == 0, err[-3000:]
+    report = dict(line.split(": ") for line in out.strip().splitlines())
     assert float(report["refit/token_mult_prob_error"]) < 1.0001
     assert float(report["refit/logprob_abs_error_max"]) < 1e-4
     assert int(report["refit/tokens_compared"]) > 0
@@ -74,17 +79,16 @@ def test_verify_refit_reports_float_noise_on_cpu(tmp_path):
     (None, "data.train_path: {path}: no such file"),
     ('{"prompt": "1+1=", "response": "2"}\n{"prompt": "2+2="}\n', "data.train_path: {path} row 1 lacks 'response'"),
 ], ids=["missing-file", "row-without-response"])
-def test_bad_sft_data_is_one_error_naming_file_row_and_field(tmp_path, rows, message):
+def test_bad_sft_data_is_one_error_naming_file_row_and_field(ray_cluster, tmp_path, capsys, rows, message):
     """Bad data fails before any worker starts, as one line naming the key, the file, the row and
     the field; no run folder is left behind."""
     path = tmp_path / "data.jsonl"
     if rows is not None:
         path.write_text(rows)
-    command = [sys.executable, "-m", "rlkit.cli", "train", "--config-name", "sft_tiny_cpu",
-               f"run.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'out'}",
-               f"data.train_path={path}", "data.val_path=null", "data.synthetic=null"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 2
-    errors = [line for line in result.stderr.splitlines() if line.startswith("rlkit: config error:")]
-    assert len(errors) == 1 and message.format(path=path) in errors[0], result.stderr[-2000:]
+    status, _, err = in_this_process(capsys, "train", "--config-name", "sft_tiny_cpu",
+                                     f"run.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'out'}",
+                                     f"data.train_path={path}", "data.val_path=null", "data.synthetic=null")
+    assert status == 2
+    errors = [line for line in err.splitlines() if line.startswith("rlkit: config error:")]
+    assert len(errors) == 1 and message.format(path=path) in errors[0], err[-2000:]
     assert not (tmp_path / "out").exists()

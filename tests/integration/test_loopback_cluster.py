@@ -4,11 +4,11 @@ environment workers); joining a cluster that does not answer fails within
 cluster.connect_timeout_s, naming the address.
 
 Each case runs in a subprocess of its own, so that neither the session's Ray cluster nor a cluster
-started here is in the other's way; every Ray process the subprocess started is gone afterwards."""
+started here is in the other's way; every Ray process the subprocess started is gone afterwards.
+The whole run is the session's one `rlkit train` command (conftest.readme_environment_command)."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from process_tree import ProcessTree, is_loopback
+from process_tree import is_loopback
 
 pytestmark = pytest.mark.integration
 
@@ -153,25 +153,13 @@ def test_joining_a_closed_RAY_ADDRESS_fails_within_the_timeout():
     assert message.startswith(f"RAY_ADDRESS=127.0.0.1:1: no Ray cluster answered within {TIMEOUT_S} s"), line
 
 
-def test_everything_a_run_starts_listens_on_loopback_only(tmp_path, cache_dir):
-    """A whole run (warm start, steps, validation, a checkpoint) watched from outside: every socket
-    any of its processes listens on, at any time, is on loopback. The policy ranks' store and gloo
-    pairs are among them (torch's TCPStore alone binds every interface)."""
-    command = [sys.executable, "-m", "rlkit.cli", "train", "--config-name", "grpo_tiny_cpu", "algorithm.num_steps=2",
-               "checkpoint.every=2", "algorithm.val_every=2", "algorithm.prompts_per_step=8",
-               "policy.train_global_batch_size=64", "algorithm.warm_start.sft_steps=4", f"run.output_dir={tmp_path}",
-               f"run.cache_dir={cache_dir}"]
-    with open(tmp_path / "stderr.txt", "w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
-                                   env={**os.environ, "RAY_ADDRESS": ""})
-    tree = ProcessTree(process.pid)
-    try:
-        tree.watch(until=lambda: process.poll() is not None)
-        assert process.returncode == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
-        policy = [entry for entry in tree.listening if "MegatronModelWorker" in entry[0]]
-        assert policy, f"no policy rank was seen listening: {sorted(tree.listening)}"
-        assert tree.exposed() == [], f"listening beyond loopback: {tree.exposed()}"
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        assert tree.still_alive() == []
+def test_everything_a_run_starts_listens_on_loopback_only(readme_environment_command):
+    """A whole run (warm start, steps, validation, a checkpoint, environment workers) watched from
+    outside: every socket any of its processes listens on, at any time, is on loopback. The policy
+    ranks' store and gloo pairs are among them (torch's TCPStore alone binds every interface)."""
+    command = readme_environment_command
+    assert command.returncode == 0, command.stderr[-3000:]
+    policy = [entry for entry in command.tree.listening if "MegatronModelWorker" in entry[0]]
+    assert policy, f"no policy rank was seen listening: {sorted(command.tree.listening)}"
+    assert command.tree.exposed() == [], f"listening beyond loopback: {command.tree.exposed()}"
+    assert command.left_running == []
