@@ -54,6 +54,13 @@ def _start_local(cfg: ClusterConfig) -> None:
     # it, as it does when that process fails to start; "" is the address a minimal install gives.
     start_api_server = Node.start_api_server
     Node.start_api_server = lambda node, **_: setattr(node, "_webui_url", "")
+    # Ray's dashboard agent listens on one fixed port (52365) unless told otherwise, and ray.init
+    # cannot: on a machine where another cluster runs (another run's, a test session's) it retries
+    # that port for 3.4 s while the node waits, then runs without it. 0: a free port, as Ray's other
+    # agents get.
+    node_init = Node.__init__
+    Node.__init__ = lambda node, ray_params, *args, **kwargs: node_init(
+        node, _with_free_agent_port(ray_params), *args, **kwargs)
     global _fork_server
     try:
         _fork_server = take_started_ahead()  # a command's, started as it began
@@ -68,8 +75,13 @@ def _start_local(cfg: ClusterConfig) -> None:
         raise
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
-        Node.start_api_server = start_api_server
+        Node.start_api_server, Node.__init__ = start_api_server, node_init
         token_log.removeFilter(_token_auth_notice)
+
+
+def _with_free_agent_port(ray_params):
+    ray_params.dashboard_agent_listen_port = 0
+    return ray_params
 
 
 def _token_auth_notice(record: logging.LogRecord) -> bool:

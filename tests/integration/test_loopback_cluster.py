@@ -9,6 +9,7 @@ The whole run is the session's one `rlkit train` command (conftest.readme_enviro
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
 from process_tree import is_loopback
 
 pytestmark = pytest.mark.integration
@@ -25,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 LISTENERS = r"""
 import json, socket, time
 import psutil, ray
+from ray.experimental.internal_kv import _internal_kv_get
 from rlkit.cluster.ray_runtime import join_or_start_ray
 from rlkit.config.schema import ConfigError
 from rlkit.launch.config import load_config
@@ -68,7 +71,9 @@ try:
         now = processes(node)
         if now != seen:
             seen, stable_since = now, time.monotonic()
-    print(json.dumps(dict(start_s=start_s, processes=seen)))
+    # the dashboard agent's address as it registered it: [ip, http port (-1: none), grpc port]
+    agent = _internal_kv_get(f"DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX:{node.node_id}", namespace="dashboard")
+    print(json.dumps(dict(start_s=start_s, processes=seen, agent=agent and json.loads(agent))))
 finally:
     ray.shutdown()
 """
@@ -118,7 +123,13 @@ def same_process_alive(p: dict) -> bool:
 
 
 def test_local_cluster_listens_on_loopback_only_and_runs_no_dashboard():
-    report = json.loads(run_python(LISTENERS))
+    """... and its dashboard agent serves on a free port: Ray's fixed default (52365), held here as
+    another cluster on the machine would hold it, would cost the start 3.4 s of retries and leave
+    the agent without its HTTP service."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", DEFAULT_DASHBOARD_AGENT_LISTEN_PORT))
+        held.listen()
+        report = json.loads(run_python(LISTENERS))
     processes = report["processes"]
     try:
         listening = [(p["name"], ip, port, kind) for p in processes for ip, port, kind in p["listening"]]
@@ -129,6 +140,8 @@ def test_local_cluster_listens_on_loopback_only_and_runs_no_dashboard():
         assert {"gcs_server", "raylet"} <= names and len(listening) >= 5, listening
         dashboards = [p["cmdline"] for p in processes if "dashboard/dashboard.py" in p["cmdline"]]
         assert not dashboards, f"a dashboard runs: {dashboards}"
+        agent = report["agent"] or [None, -1, -1]  # none registered while the run looked
+        assert agent[0] == "127.0.0.1" and agent[1] not in (-1, DEFAULT_DASHBOARD_AGENT_LISTEN_PORT), agent
     finally:
         assert still_alive(processes) == []
 
