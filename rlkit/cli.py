@@ -31,7 +31,7 @@ def _train(args) -> int:
         return 0
     from rlkit.cluster.fork_server import start_ahead
 
-    start_ahead(cfg.cluster.fork_workers, cfg.cluster.address)  # its imports overlap the driver's
+    start_ahead(cfg.cluster)  # its imports overlap the driver's
     from rlkit.algorithms.loop import RunStopped
     from rlkit.launch.run import train
     from rlkit.observability.startup import StartupClock

@@ -44,6 +44,8 @@ import time
 import warnings
 from pathlib import Path
 
+from rlkit.config.schema import ClusterConfig
+
 log = logging.getLogger(__name__)
 
 # what CPU workers import (torch and transformers with them; none of them imports Ray): the model
@@ -73,11 +75,11 @@ def preload_here() -> tuple[str, ...]:
 _ahead: "ForkServer | None" = None  # started by start_ahead, until the local cluster takes it
 
 
-def start_ahead(fork_workers: bool, address: str | None) -> None:
-    """At the start of a command that will start a local cluster (no cluster address, no
-    RAY_ADDRESS other than "local"): the server, importing while the driver does."""
+def start_ahead(cluster: ClusterConfig) -> None:
+    """At the start of a command that will start a local cluster whose workers fork: the server,
+    importing while the driver does."""
     global _ahead
-    if fork_workers and available() and (address or os.environ.get("RAY_ADDRESS") or "local") == "local":
+    if cluster.fork_workers and available() and cluster.address_to_join() is None:
         _ahead = ForkServer.start()
 
 

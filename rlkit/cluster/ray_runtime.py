@@ -6,6 +6,8 @@ import shutil
 import socket
 import sys
 import time
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import ray
@@ -26,8 +28,9 @@ def join_or_start_ray(cfg: ClusterConfig) -> bool:
         return False
     if not (sys.stdout.isatty() and sys.stderr.isatty()):  # a log file: no colour codes in the
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # "(Worker pid=...)" prefix the driver prints
-    key, address = ("cluster.address", cfg.address) if cfg.address else ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS"))
-    if address and address != "local":  # "local": Ray's name for a new local cluster
+    joining = cfg.address_to_join()
+    if joining:
+        key, address = joining
         _wait_for_cluster(key, address, cfg.connect_timeout_s)
         log.info("joining Ray cluster at %s", address)
         ray.init(address=address, log_to_driver=True)
@@ -39,6 +42,28 @@ def join_or_start_ray(cfg: ClusterConfig) -> bool:
 
 def _start_local(cfg: ClusterConfig) -> None:
     """A cluster that listens on 127.0.0.1 only and runs no dashboard."""
+    global _fork_server
+    try:
+        _fork_server = take_started_ahead()  # a command's, started as it began
+        if _fork_server is None and cfg.fork_workers and fork_server_available():
+            _fork_server = ForkServer.start()
+        with _local_node_settings():
+            # address="local" ignores a stale /tmp/ray/ray_current_cluster
+            ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
+                     object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True,
+                     runtime_env=_fork_server.runtime_env() if _fork_server else None)
+    except BaseException:
+        _stop_fork_server()
+        raise
+
+
+# how long a new local node's raylet may take to register with the GCS (Ray's own limit: 30 s)
+NODE_REGISTRATION_S = 120
+
+
+@contextmanager
+def _local_node_settings():
+    """What ray.init cannot be told for a local node, set while it starts, restored after."""
     # Ray's servers (GCS, raylet, object manager, workers, agents, metrics) listen on loopback only
     # when the node IP is 127.0.0.1, but on Linux Ray replaces a loopback node IP by the machine's
     # address (services.resolve_ip_for_localhost) unless it runs single-machine, as on macOS and
@@ -61,22 +86,29 @@ def _start_local(cfg: ClusterConfig) -> None:
     node_init = Node.__init__
     Node.__init__ = lambda node, ray_params, *args, **kwargs: node_init(
         node, _with_free_agent_port(ray_params), *args, **kwargs)
-    global _fork_server
+    # Ray gives the new node's raylet a fixed 30 s to register with the GCS, then fails ("The
+    # current node timed out during startup"); with both cores of a 2-core machine busy training it
+    # took longer. Each of Ray's checks waits for the registration until NODE_REGISTRATION_S.
+    get_node = services.get_node
+    services.get_node = partial(node_once_registered, get_node, time.monotonic() + NODE_REGISTRATION_S)
     try:
-        _fork_server = take_started_ahead()  # a command's, started as it began
-        if _fork_server is None and cfg.fork_workers and fork_server_available():
-            _fork_server = ForkServer.start()
-        # address="local" ignores a stale /tmp/ray/ray_current_cluster
-        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
-                 object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True,
-                 runtime_env=_fork_server.runtime_env() if _fork_server else None)
-    except BaseException:
-        _stop_fork_server()
-        raise
+        yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
-        Node.start_api_server, Node.__init__ = start_api_server, node_init
+        Node.start_api_server, Node.__init__, services.get_node = start_api_server, node_init, get_node
         token_log.removeFilter(_token_auth_notice)
+
+
+def node_once_registered(get_node, deadline: float, *args, **kwargs):
+    """get_node(*args, **kwargs) (Ray's lookup of a node in the GCS, a RuntimeError while it is not
+    registered), asked again every 0.1 s until it answers or the deadline (time.monotonic()) passes."""
+    while True:
+        try:
+            return get_node(*args, **kwargs)
+        except RuntimeError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _with_free_agent_port(ray_params):

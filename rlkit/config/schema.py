@@ -2,6 +2,7 @@
 schema only fixes names and types, so unknown keys and wrong types fail at load time. Each
 algorithm's own section is declared by its module (rlkit/algorithms/registry.py)."""
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -23,6 +24,14 @@ class ClusterConfig:
     call_timeout_s: float = MISSING
     collective_timeout_s: float = MISSING
     fork_workers: bool = MISSING
+
+    def address_to_join(self) -> tuple[str, str] | None:
+        """(the key that names it, its address) of the Ray cluster a run joins: cluster.address,
+        else RAY_ADDRESS; None: the run starts a local cluster (neither is set, or it is "local",
+        Ray's name for a new local cluster)."""
+        key, address = ("cluster.address", self.address) if self.address else ("RAY_ADDRESS",
+                                                                               os.environ.get("RAY_ADDRESS"))
+        return (key, address) if address and address != "local" else None
 
 
 @dataclass

@@ -23,6 +23,7 @@ import pytest
 
 from rlkit.cluster import fork_server
 from rlkit.cluster.fork_server import ForkServer
+from rlkit.config.schema import ClusterConfig
 
 CLIENT = Path(__file__).parents[2] / "rlkit" / "cluster" / "fork_client.py"
 
@@ -158,7 +159,7 @@ def test_a_command_starts_its_server_ahead_only_for_a_local_cluster(monkeypatch,
     else:
         monkeypatch.setenv("RAY_ADDRESS", ray_address)
     monkeypatch.setattr(fork_server, "preload_here", lambda: ("json",))
-    fork_server.start_ahead(fork_workers, address)
+    fork_server.start_ahead(ClusterConfig(address=address, fork_workers=fork_workers))
     server = fork_server.take_started_ahead()
     try:
         assert (server is not None) == started
