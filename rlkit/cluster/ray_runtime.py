@@ -7,7 +7,6 @@ import socket
 import sys
 import time
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 
 import ray
@@ -57,10 +56,6 @@ def _start_local(cfg: ClusterConfig) -> None:
         raise
 
 
-# how long a new local node's raylet may take to register with the GCS (Ray's own limit: 30 s)
-NODE_REGISTRATION_S = 120
-
-
 @contextmanager
 def _local_node_settings():
     """What ray.init cannot be told for a local node, set while it starts, restored after."""
@@ -86,29 +81,12 @@ def _local_node_settings():
     node_init = Node.__init__
     Node.__init__ = lambda node, ray_params, *args, **kwargs: node_init(
         node, _with_free_agent_port(ray_params), *args, **kwargs)
-    # Ray gives the new node's raylet a fixed 30 s to register with the GCS, then fails ("The
-    # current node timed out during startup"); with both cores of a 2-core machine busy training it
-    # took longer. Each of Ray's checks waits for the registration until NODE_REGISTRATION_S.
-    get_node = services.get_node
-    services.get_node = partial(node_once_registered, get_node, time.monotonic() + NODE_REGISTRATION_S)
     try:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
-        Node.start_api_server, Node.__init__, services.get_node = start_api_server, node_init, get_node
+        Node.start_api_server, Node.__init__ = start_api_server, node_init
         token_log.removeFilter(_token_auth_notice)
-
-
-def node_once_registered(get_node, deadline: float, *args, **kwargs):
-    """get_node(*args, **kwargs) (Ray's lookup of a node in the GCS, a RuntimeError while it is not
-    registered), asked again every 0.1 s until it answers or the deadline (time.monotonic()) passes."""
-    while True:
-        try:
-            return get_node(*args, **kwargs)
-        except RuntimeError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.1)
 
 
 def _with_free_agent_port(ray_params):
