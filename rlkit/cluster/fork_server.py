@@ -43,8 +43,10 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rlkit.config.schema import ClusterConfig
+if TYPE_CHECKING:  # the server's own process imports nothing of rlkit's but its preload
+    from rlkit.config.schema import ClusterConfig
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ def preload_here() -> tuple[str, ...]:
 _ahead: "ForkServer | None" = None  # started by start_ahead, until the local cluster takes it
 
 
-def start_ahead(cluster: ClusterConfig) -> None:
+def start_ahead(cluster: "ClusterConfig") -> None:
     """At the start of a command that will start a local cluster whose workers fork: the server,
     importing while the driver does."""
     global _ahead
