@@ -168,6 +168,18 @@ class CheckpointManager:
                  written.digest_seconds)
         return writing.final
 
+    def discard_unfinished(self) -> None:
+        """Remove what this process began writing and never completed (a run stopped at once, or by
+        an error), once its writers are stopped. Renamed first, so a writer still dying cannot
+        recreate files under the old name; the new name keeps ".tmp-" for _prune should rmtree fail."""
+        self.writing = None
+        if not self.root.is_dir():
+            return
+        for tmp in self.root.glob(f"step_*.tmp-{os.getpid()}"):
+            discarded = tmp.with_name(f"{tmp.name}.discarded")
+            os.replace(tmp, discarded)
+            shutil.rmtree(discarded, ignore_errors=True)
+
     def _prune(self):
         """Remove leftovers of killed writes, and all but the newest checkpoint.keep_last checkpoints
         and the newest keep_last intact ones (checked by sizes, which is cheap): a damaged newer

@@ -112,6 +112,7 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
             trainer.close()
         logger.close()
         workers.shutdown(failed=_failing())
+        checkpoints.discard_unfinished()  # a stop at once or an error may leave one; its writers are gone now
 
 
 def _model_tokenizer_data(cfg: RootConfig, algorithm, clock: StartupClock):

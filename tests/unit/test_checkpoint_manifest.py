@@ -169,6 +169,21 @@ def test_a_checkpoint_is_whole_only_once_its_background_write_is(tmp_path):
     assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
 
 
+def test_a_write_stopped_at_once_is_discarded_and_the_whole_checkpoints_stay(tmp_path):
+    """A run stopped in the middle of a checkpoint removes its own unfinished write; another
+    process's leftover (a killed run's) is left for the next prune, and whole checkpoints stay."""
+    checkpoints = manager(tmp_path)
+    first = save(checkpoints, 1)
+    killed_earlier = tmp_path / "step_000002.tmp-1"
+    killed_earlier.mkdir()
+    checkpoints.save(2, Models(polls=5), {"step": 2}, OmegaConf.create({"run": {"seed": 0}}))
+    assert (tmp_path / f"step_000002.tmp-{os.getpid()}").is_dir()
+    checkpoints.discard_unfinished()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002.tmp-1"]
+    assert checkpoints.finish(wait=True) is None and checkpoints.to_resume() == first and verify(first) is None
+    checkpoints.discard_unfinished()  # nothing of its own left: a no-op
+
+
 def test_the_background_write_is_reported_with_its_rate(tmp_path, caplog):
     """Writers side by side (ranks, policy and critic): their bytes add up, the slowest one's
     seconds count; the completed checkpoint's figures are kept for the step's metrics."""
