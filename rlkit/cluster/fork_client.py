@@ -1,9 +1,10 @@
-"""What a local cluster's raylet runs to start a Python worker when workers fork (cluster.fork_workers):
-`python -S fork_client.py SOCKET default_worker.py ARGS...`. It hands its arguments, environment,
-working directory and standard streams to the fork server at SOCKET (rlkit/cluster/fork_server.py),
-which forks the worker, then lives as long as the worker does and exits with its status; signals
-it gets go to the worker. Where the server is not there or cannot fork, it becomes the worker
-itself (exec). The standard library only: it runs without site-packages, in about 20 ms."""
+"""What a local cluster's raylet runs as its Python worker script when workers fork
+(cluster.fork_workers): `python fork_client.py ARGS...`, with the fork server's socket and Ray's own
+worker script (default_worker.py) in its environment (SOCKET_ENV, WORKER_ENV). It hands
+`WORKER ARGS...`, its environment, working directory and standard streams to the fork server
+(rlkit/cluster/fork_server.py), which forks the worker, then lives as long as the worker does and
+exits with its status; signals it gets go to the worker. Where the server is not there or cannot
+fork, it becomes the worker itself (exec). The standard library only: it starts in about 20 ms."""
 
 import json
 import os
@@ -11,6 +12,8 @@ import signal
 import socket
 import struct
 import sys
+
+SOCKET_ENV, WORKER_ENV = "RLKIT_FORK_SOCKET", "RLKIT_FORK_WORKER"
 
 
 def _exec_worker(argv: list[str]) -> None:
@@ -31,7 +34,9 @@ def _receive_int(connection: socket.socket) -> int | None:
     return struct.unpack("i", data)[0]
 
 
-def main(path: str, argv: list[str]) -> int:
+def main(args: list[str]) -> int:
+    # taken out of the environment: the worker's is the one it would have had without the client
+    path, argv = os.environ.pop(SOCKET_ENV, ""), [os.environ.pop(WORKER_ENV), *args]
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.connect(path)
@@ -54,4 +59,4 @@ def main(path: str, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2:]))
+    sys.exit(main(sys.argv[1:]))

@@ -5,10 +5,10 @@ vLLM and megatron-core too (vLLM's import alone is 12-19 s on an H100 host, on t
 
 A `rlkit train` command starts the server as it begins (`start_ahead`), so the server imports while
 the driver imports, Ray starts and the data loads; the local cluster's start takes it, or starts
-one (`ForkServer.start`), and gives Ray a job runtime_env whose py_executable is
-rlkit/cluster/fork_client.py: the raylet starts each Python worker through that client, and the
-server forks the worker with the client's arguments, environment, working directory and standard
-streams. The worker registers with the raylet under its own pid; the client lives as long as it
+one (`ForkServer.start`), and has the raylet run rlkit/cluster/fork_client.py as its Python worker
+script (`client_environment` tells the client where the server and Ray's own worker script are):
+the server forks each worker with the client's arguments, environment, working directory and
+standard streams. The worker registers with the raylet under its own pid; the client lives as long as it
 does and exits with its status. Lifetimes are tied both ways: a worker dies with the server (by the
 kernel: PR_SET_PDEATHSIG), the server with the driver process (it holds a pipe's read end, whose
 write end only the driver has), a worker with its client (the server kills a worker whose client's
@@ -32,7 +32,6 @@ import os
 import random
 import runpy
 import selectors
-import shlex
 import signal
 import socket
 import struct
@@ -44,6 +43,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from rlkit.cluster.fork_client import SOCKET_ENV, WORKER_ENV
 
 if TYPE_CHECKING:  # the server's own process imports nothing of rlkit's but its preload
     from rlkit.config.schema import ClusterConfig
@@ -62,6 +63,7 @@ PRELOAD = ("transformers.models.qwen2.modeling_qwen2", "transformers.models.llam
 GPU_PRELOAD = ("vllm.entrypoints.llm", "rlkit.workers.generation.vllm", "rlkit.workers.policy.megatron",
                "megatron.core.parallel_state", "megatron.core.tensor_parallel.random", "mbridge", "math_verify")
 _PR_SET_PDEATHSIG = 1
+CLIENT = Path(__file__).with_name("fork_client.py")
 
 
 def available() -> bool:
@@ -127,10 +129,10 @@ class ForkServer:
             time.sleep(0.01)
         return server
 
-    def runtime_env(self) -> dict:
-        """The job runtime_env that has the raylet start Python workers through the client."""
-        client = Path(__file__).with_name("fork_client.py")
-        return {"py_executable": shlex.join([sys.executable, "-S", str(client), str(self.socket)])}
+    def client_environment(self, worker: str) -> dict[str, str]:
+        """Where CLIENT, run as `python CLIENT ARGS...` under this environment, has this server
+        start `python worker ARGS...`."""
+        return {SOCKET_ENV: str(self.socket), WORKER_ENV: worker}
 
     def stop(self) -> None:
         """Stop the server (its remaining workers die with it) and remove its socket."""

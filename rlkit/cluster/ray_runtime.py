@@ -1,5 +1,6 @@
 """Join the Ray cluster named by cluster.address / RAY_ADDRESS, or start a local one."""
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -13,7 +14,7 @@ import ray
 from ray._private import ray_constants, services
 from ray._private.node import Node
 
-from rlkit.cluster.fork_server import ForkServer, take_started_ahead
+from rlkit.cluster.fork_server import CLIENT, ForkServer, take_started_ahead
 from rlkit.cluster.fork_server import available as fork_server_available
 from rlkit.config.schema import ClusterConfig, ConfigError
 
@@ -46,18 +47,17 @@ def _start_local(cfg: ClusterConfig) -> None:
         _fork_server = take_started_ahead()  # a command's, started as it began
         if _fork_server is None and cfg.fork_workers and fork_server_available():
             _fork_server = ForkServer.start()
-        with _local_node_settings():
+        with _local_node_settings(_fork_server):
             # address="local" ignores a stale /tmp/ray/ray_current_cluster
             ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
-                     object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True,
-                     runtime_env=_fork_server.runtime_env() if _fork_server else None)
+                     object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True)
     except BaseException:
         _stop_fork_server()
         raise
 
 
 @contextmanager
-def _local_node_settings():
+def _local_node_settings(fork_server: ForkServer | None):
     """What ray.init cannot be told for a local node, set while it starts, restored after."""
     # Ray's servers (GCS, raylet, object manager, workers, agents, metrics) listen on loopback only
     # when the node IP is 127.0.0.1, but on Linux Ray replaces a loopback node IP by the machine's
@@ -80,18 +80,33 @@ def _local_node_settings():
     # agents get.
     node_init = Node.__init__
     Node.__init__ = lambda node, ray_params, *args, **kwargs: node_init(
-        node, _with_free_agent_port(ray_params), *args, **kwargs)
+        node, _local_params(ray_params, fork_server), *args, **kwargs)
+    # forked workers: the raylet runs the fork server's client as its Python worker script, which
+    # finds the server and Ray's worker script in the environment the raylet inherits from here.
+    # (A job runtime_env could name the client instead, as its py_executable, but then Ray runs
+    # its setup_worker.py before each worker: 0.3 s of CPU apiece.)
+    client_environment = fork_server.client_environment(_ray_worker_script()) if fork_server else {}
+    os.environ.update(client_environment)
     try:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
         Node.start_api_server, Node.__init__ = start_api_server, node_init
         token_log.removeFilter(_token_auth_notice)
+        for name in client_environment:
+            os.environ.pop(name, None)
 
 
-def _with_free_agent_port(ray_params):
+def _local_params(ray_params, fork_server: ForkServer | None):
     ray_params.dashboard_agent_listen_port = 0
+    if fork_server is not None:
+        ray_params.worker_path = str(CLIENT)
     return ray_params
+
+
+def _ray_worker_script() -> str:
+    """The script a raylet runs for each Python worker unless told otherwise: default_worker.py."""
+    return importlib.util.find_spec("ray._private.workers.default_worker").origin
 
 
 def _token_auth_notice(record: logging.LogRecord) -> bool:

@@ -10,6 +10,7 @@ of independent trajectories each take a free worker (ConcurrentSteps).
 import asyncio
 import logging
 import os
+import sys
 import time
 import traceback
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -69,7 +70,10 @@ class EnvWorker:
     """One environment instance in its own process. A call stuck in user code is abandoned
     (its thread cannot be killed); the controller replaces a worker that reports one."""
 
-    def __init__(self, target: str, kwargs: dict, timeout_s: float):
+    def __init__(self, target: str, kwargs: dict, timeout_s: float, python_path: str = ""):
+        if python_path:  # as the driver's: for this import, and for any Python the environment starts
+            sys.path[:0] = [p for p in python_path.split(os.pathsep) if p not in sys.path]
+            os.environ["PYTHONPATH"] = python_path
         self.env = load_environment(target, kwargs)
         self.env.setup()
         self.timeout_s = timeout_s
@@ -100,11 +104,12 @@ class EnvironmentPool:
         self.target = env_cfg["_target_"]
         self.kwargs = {k: v for k, v in env_cfg.items() if k != "_target_"}
         self.cfg = cfg
-        # user modules next to where rlkit was launched must import inside the actors too
-        path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
+        # user modules next to where rlkit was launched must import inside the actors too (set by
+        # each actor rather than by a runtime_env, which costs each actor's start Ray's setup_worker.py)
+        self.python_path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
         # num_cpus=0: environments are light, and the placement group may hold every CPU of the
         # cluster for policy and generation workers
-        self._remote = ray.remote(num_cpus=0, runtime_env={"env_vars": {"PYTHONPATH": path}})(EnvWorker)
+        self._remote = ray.remote(num_cpus=0)(EnvWorker)
         self.workers = [self._spawn() for _ in range(cfg.num_workers)]
         self._logged_failure = False
         # an environment that cannot start (e.g. the code sandbox without bubblewrap) stops the run
@@ -116,7 +121,7 @@ class EnvironmentPool:
             raise EnvironmentFailure(f"environment {self.target} could not start: {e}") from e
 
     def _spawn(self):
-        return self._remote.remote(self.target, self.kwargs, self.cfg.timeout_s)
+        return self._remote.remote(self.target, self.kwargs, self.cfg.timeout_s, self.python_path)
 
     def step(self, items: list[tuple[list[dict], dict]]) -> list[Stepped]:
         """One step for each (messages, metadata), in order; failed calls get

@@ -25,13 +25,13 @@ from rlkit.cluster import fork_server
 from rlkit.cluster.fork_server import ForkServer
 from rlkit.config.schema import ClusterConfig
 
-CLIENT = Path(__file__).parents[2] / "rlkit" / "cluster" / "fork_client.py"
-
 WORKER = textwrap.dedent("""\
     import json, os, random, sys, time
-    import helper  # from PYTHONPATH, as a runtime_env's env_vars set it
+    import helper  # from PYTHONPATH in the client's environment
     print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("WORKER_ENV"), "pid": os.getpid(),
-                      "ppid": os.getppid(), "random": random.random(), "helper": helper.VALUE}), flush=True)
+                      "ppid": os.getppid(), "random": random.random(), "helper": helper.VALUE,
+                      "client_env": [os.environ.get("RLKIT_FORK_SOCKET"), os.environ.get("RLKIT_FORK_WORKER")]}),
+          flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     if sys.argv[1] == "sleep":
         time.sleep(60)
@@ -55,9 +55,11 @@ def server():
 
 
 def run_worker(socket: Path, script: Path, *args: str, wait: bool = True):
-    """fork_client.py as the raylet runs it (python -S), in script's folder with its own env."""
-    env = {**os.environ, "WORKER_ENV": "from the client", "PYTHONPATH": str(script.parent / "lib")}
-    process = subprocess.Popen([sys.executable, "-S", str(CLIENT), str(socket), str(script), *args],
+    """fork_client.py as the raylet runs it (as its worker script, the server's client_environment
+    inherited), in script's folder with its own env."""
+    env = {**os.environ, "WORKER_ENV": "from the client", "PYTHONPATH": str(script.parent / "lib"),
+           fork_server.SOCKET_ENV: str(socket), fork_server.WORKER_ENV: str(script)}
+    process = subprocess.Popen([sys.executable, str(fork_server.CLIENT), *args],
                                cwd=script.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
         return process
@@ -71,6 +73,7 @@ def test_a_forked_worker_runs_as_the_client_would_and_its_status_comes_back(serv
     assert status == 3 and err == "to stderr\n"
     assert seen["argv"] == [str(script), "exit", "3"] and seen["cwd"] == str(script.parent)
     assert seen["env"] == "from the client" and seen["helper"] == 7
+    assert seen["client_env"] == [None, None]  # the client's own settings stay out of the worker's
     assert seen["ppid"] == server.process.pid  # forked by the server, not started by the client
     again = json.loads(run_worker(server.socket, script, "exit", "0")[1])
     assert again["random"] != seen["random"]  # each worker seeds its own, as a fresh process does
@@ -108,7 +111,7 @@ def test_a_stopped_servers_workers_die_with_it(server, script):
 def test_without_a_server_the_client_becomes_the_worker(tmp_path, script):
     status, out, err = run_worker(tmp_path / "absent.sock", script, "exit", "5")
     seen = json.loads(out)
-    assert status == 5 and err == "to stderr\n" and seen["helper"] == 7
+    assert status == 5 and err == "to stderr\n" and seen["helper"] == 7 and seen["client_env"] == [None, None]
     assert seen["ppid"] == os.getpid()  # exec'd in place: the process this test started
 
 
@@ -181,11 +184,6 @@ def test_the_default_preload_is_fork_safe(modules):
     assert unsafe == "None"
     uninstalled = {"vllm.entrypoints.llm"} if importlib.util.find_spec("vllm") is None else set()  # GPU machines only
     assert set(filter(None, not_imported.split(","))) <= uninstalled
-
-
-def test_runtime_env_starts_workers_through_the_client(server):
-    command = server.runtime_env()["py_executable"]
-    assert command.split() == [sys.executable, "-S", str(CLIENT), str(server.socket)]
 
 
 DRIVER = textwrap.dedent("""\
