@@ -74,10 +74,7 @@ def _local_node_settings(fork_server: ForkServer | None):
     # it, as it does when that process fails to start; "" is the address a minimal install gives.
     start_api_server = Node.start_api_server
     Node.start_api_server = lambda node, **_: setattr(node, "_webui_url", "")
-    # Ray's dashboard agent listens on one fixed port (52365) unless told otherwise, and ray.init
-    # cannot: on a machine where another cluster runs (another run's, a test session's) it retries
-    # that port for 3.4 s while the node waits, then runs without it. 0: a free port, as Ray's other
-    # agents get.
+    # node settings ray.init cannot pass (_local_params)
     node_init = Node.__init__
     Node.__init__ = lambda node, ray_params, *args, **kwargs: node_init(
         node, _local_params(ray_params, fork_server), *args, **kwargs)
@@ -98,8 +95,15 @@ def _local_node_settings(fork_server: ForkServer | None):
 
 
 def _local_params(ray_params, fork_server: ForkServer | None):
+    """A local node's settings that ray.init cannot pass."""
+    # Ray's dashboard agent listens on one fixed port (52365) unless told otherwise: on a machine
+    # where another cluster runs (another run's, a test session's) it retries that port for 3.4 s
+    # while the node waits, then runs without it. 0: a free port, as Ray's other agents get.
     ray_params.dashboard_agent_listen_port = 0
-    if fork_server is not None:
+    # the autoscaler's monitor process has nothing to scale on one machine (it costs 0.4 s of CPU,
+    # and a second cluster's monitor fails to bind its fixed metrics port)
+    ray_params.no_monitor = True
+    if fork_server is not None:  # its workers start through the client (see _local_node_settings)
         ray_params.worker_path = str(CLIENT)
     return ray_params
 
