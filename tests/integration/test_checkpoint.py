@@ -25,6 +25,7 @@ from rlkit.checkpoint import MANIFEST, CheckpointManager
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.launch.config import load_config
+from rlkit.cli import main
 from rlkit.launch.run import export_hf, train
 
 pytestmark = pytest.mark.integration
@@ -143,12 +144,12 @@ def test_dist_checkpoint_loads_into_another_tensor_parallel_size(model_workers, 
 
 
 def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpoints(warm_pool, tmp_path_factory,
-                                                                                     cache_dir):
+                                                                                     cache_dir, capsys):
     """grpo_tiny_lora_cpu killed after step 3 and started again ends with exactly the metrics of the
     same run uninterrupted: its checkpoints hold the adapters and their optimizer state, and the base
     is the cached warm start they record. `rlkit convert` turns the last one into an HF PEFT
-    adapter that peft loads over that base, and with --merged (export_hf here, on the session's
-    cluster: the command's own start-up is the one above) into the merged model."""
+    adapter that peft loads over that base, and with --merged into the merged model (both by the
+    CLI's main in this process, on the session's cluster: a command's own start-up is the one above)."""
     from peft import PeftModel
 
     killed = tmp_path_factory.mktemp("lora_killed")
@@ -166,11 +167,11 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     # a checkpoint of every weight holds the base and Adam's two moments of it: three times base_bytes
     assert sum(path.stat().st_size for path in (last / "policy").rglob("*") if path.is_file()) < base_bytes / 2
     tokens = torch.tensor([[1, 2, 3, 4, 5]])
-    convert = subprocess.run([sys.executable, "-m", "rlkit.cli", "convert", str(last), str(killed / "adapter")],
-                             capture_output=True, text=True, timeout=600)
-    assert convert.returncode == 0, convert.stderr[-3000:]
-    assert f"HF PEFT adapter written to {killed / 'adapter'}" in convert.stdout
-    export_hf(last, killed / "merged", merged=True)
+    capsys.readouterr()
+    assert main(["convert", str(last), str(killed / "adapter")]) == 0
+    assert main(["convert", "--merged", str(last), str(killed / "merged")]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"HF PEFT adapter written to {killed / 'adapter'}",
+                                                    f"HF checkpoint written to {killed / 'merged'}"]
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), killed / "adapter").eval()
         converted = {"adapter": peft_model(tokens).logits,
