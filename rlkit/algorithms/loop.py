@@ -115,7 +115,8 @@ def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: Shu
             why = stop_requested()
             if checkpoints.finish(wait=False):  # the checkpoint written since an earlier step, if it is on disk
                 metrics.update(checkpoints.last_write.metrics())
-            due = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == a.num_steps or why
+            due = cfg.checkpoint.enabled and (
+                (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == a.num_steps or why)
             if due:  # started, never completed before the step is logged: a whole checkpoint's step always is
                 held = checkpoints.save(step, trainer, {"step": step, "rows": rows.state()}, resolved)
                 metrics.update({f"timing/checkpoint_{part}": seconds for part, seconds in held.items()})

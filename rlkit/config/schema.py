@@ -212,6 +212,7 @@ DATASETS = {"prompts": PromptDataConfig, "sft_files": SFTDataConfig, "preference
 
 @dataclass
 class CheckpointConfig:
+    enabled: bool = True  # the one default here: checkpoints saved before the key existed load as they were
     every: int = MISSING
     save_format: str = MISSING
     background: bool = MISSING

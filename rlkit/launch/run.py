@@ -79,7 +79,7 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
                                              pool=pool, started_cluster=started_cluster)
                 started_cluster = None  # the warm start's workers stop the cluster they were given
                 try:
-                    with stop_on_signals(cfg.checkpoint.interrupt_grace_s) as stop_requested:
+                    with stop_on_signals(cfg.checkpoint) as stop_requested:
                         _warm_start(full_tuning, algorithm, warm_workers.policy, tokenizer, data, warm_dir,
                                     stop_requested)
                 finally:
@@ -98,7 +98,7 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
     logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state_step)
     trainer = None
     try:
-        with stop_on_signals(cfg.checkpoint.interrupt_grace_s) as stop_requested:
+        with stop_on_signals(cfg.checkpoint) as stop_requested:
             if resume_from is None and warm_dir is not None:
                 with clock.phase("warm_start"):
                     _warm_start(cfg, algorithm, workers.policy, tokenizer, data, warm_dir, stop_requested)
@@ -130,7 +130,8 @@ def _warm_start(cfg: RootConfig, algorithm, policy, tokenizer, data, warm_dir: P
     """The algorithm's warm start on `policy`, cached as an HF checkpoint in warm_dir."""
     log.info("warm start: running %d SFT steps with rlkit's trainer before %s, cached in %s",
              cfg.algorithm.warm_start.sft_steps, algorithm.name, warm_dir)
-    with stop_requested.stopping_at_once("during the warm start, which is not checkpointed (the next run redoes it)"):
+    with stop_requested.stopping_at_once("during the warm start, which is not checkpointed (the next run redoes it); "
+                                         "rerun the same command to continue"):
         cached_warm_start(policy, warm_dir, lambda: algorithm.warm_start(cfg, policy, tokenizer, data, warm_dir))
 
 

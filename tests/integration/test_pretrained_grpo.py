@@ -23,8 +23,10 @@ def test_a_grpo_step_on_word_problems(warm_pool, make_cfg, smollm2):
                              "algorithm.group_size=2", "policy.num_workers=1", "generation.num_workers=1",
                              "policy.train_global_batch_size=4", "policy.micro_batch_size=4",
                              "generation.max_new_tokens=24", "env_runner.max_total_tokens=24",
-                             "checkpoint.every=0", "run.name=smollm2_grpo")
-    history = train(cfg, resolved, pool=warm_pool).history
+                             "checkpoint.enabled=false", "run.name=smollm2_grpo")
+    result = train(cfg, resolved, pool=warm_pool)
+    history = result.history
+    assert not (result.run_dir / "checkpoints").exists()  # checkpoint.enabled=false: not even the last step's
     assert len(history) == 2 and "val/accuracy" in history[0] and "val/accuracy" in history[1]
     metrics = history[1]
     assert all(math.isfinite(metrics[k]) for k in ["train/reward", "train/loss", "train/grad_norm"])
