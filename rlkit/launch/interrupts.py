@@ -25,6 +25,7 @@ class StopRequest:
     def __init__(self, grace_s: float, uncheckpointed: str | None = None):
         self.grace_s, self.reason = grace_s, None
         self.uncheckpointed = uncheckpointed  # why a signal now stops at once, e.g. "during the warm start ..."
+        self.grace_timer: threading.Timer | None = None
 
     def __call__(self) -> str | None:
         """The signal's name once one arrived, else None (run_steps' stop_requested)."""
@@ -40,9 +41,9 @@ class StopRequest:
             raise RunStopped(name, f"stopped by {name} {self.uncheckpointed}")
         log.warning("%s: finishing this step and checkpointing it (within checkpoint.interrupt_grace_s=%g s); "
                     "send it again to stop at once", name, self.grace_s)
-        timer = threading.Timer(self.grace_s, self._grace_over)
-        timer.daemon = True
-        timer.start()
+        self.grace_timer = threading.Timer(self.grace_s, self._grace_over)
+        self.grace_timer.daemon = True
+        self.grace_timer.start()
 
     @contextlib.contextmanager
     def stopping_at_once(self, why: str):
@@ -72,5 +73,7 @@ def stop_on_signals(cfg: CheckpointConfig):
     try:
         yield request
     finally:
+        if request.grace_timer is not None:  # the run stopped in time: its grace period must not
+            request.grace_timer.cancel()  # interrupt what this process does next
         for s, handler in previous.items():
             signal.signal(s, handler)

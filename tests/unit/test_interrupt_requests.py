@@ -1,5 +1,6 @@
 """A signal during a run (rlkit/launch/interrupts.py), in this process: with checkpoints the first one
-asks for a stop at the next step boundary and the run goes on; with checkpoint.enabled=false there
+asks for a stop at the next step boundary and the run goes on, its grace period's timer cancelled
+once the run has stopped; with checkpoint.enabled=false there
 is nothing to finish, so it stops the run where it is and says a rerun starts over; the warm
 start's stop-at-once reason holds within either and the run's own is back after it."""
 
@@ -22,7 +23,11 @@ def test_with_checkpoints_the_first_signal_asks_for_a_stop_at_the_step_boundary(
     with stop_on_signals(checkpoint_cfg(True)) as stop_requested:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop_requested() == "SIGTERM"  # the loop checkpoints this step, then stops
+        assert stop_requested.grace_timer.is_alive()  # interrupt_grace_s bounds how long that may take
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    # stopped in time: the grace period's timer is gone, and interrupts nothing this process does next
+    stop_requested.grace_timer.join(timeout=5)
+    assert not stop_requested.grace_timer.is_alive()
 
 
 def test_without_checkpoints_the_first_signal_stops_at_once_and_a_rerun_starts_over():
