@@ -208,7 +208,7 @@ def parse_summary(text: str) -> dict:
 
 def record_suite(args) -> int:
     result = {**parse_summary(Path(args.log).read_text(errors="replace")),
-              "command": ".venv/bin/python -m pytest tests", "commit": args.commit or git_commit(), "date": today(),
+              "command": ".venv/bin/python -m pytest tests -n 2", "commit": args.commit or git_commit(), "date": today(),
               "machine": machine()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     SUITE.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,6 +1,49 @@
 """The fast tier first: tests/unit runs before the tiers that start Ray clusters and workers, so a
-failing run says so within minutes rather than after the slow tests."""
+failing run says so within minutes rather than after the slow tests.
+
+Under pytest-xdist (`-n 2`, the README's command) one worker runs the integration tests, in this
+order, and the other the unit tests beside them: the integration tests share one Ray cluster, pool
+of workers and cache per session, and two of them training at once on a small machine would starve
+the clusters their commands start."""
+
+import pytest
 
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.parent.name != "unit")  # stable: each tier keeps its order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class IntegrationApart(LoadScopeScheduling):
+        """The integration tests one unit of work, every other test a unit of its own; xdist hands
+        out the largest unit first, so the integration tests start at once."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return "integration" if nodeid.startswith("tests/integration/") else nodeid
+
+    return IntegrationApart(config, log)
+
+
+class FileStarts:
+    """Under pytest-xdist the progress is dots alone: a line names each file as its first test
+    starts, and the worker it runs on."""
+
+    def __init__(self, terminal):
+        self.terminal, self.started = terminal, set()
+
+    def pytest_runtest_logreport(self, report):
+        path = report.nodeid.split("::", 1)[0]
+        if report.when == "setup" and path not in self.started and hasattr(report, "node"):
+            self.started.add(path)
+            if self.terminal._tw.width_of_current_line:  # after dots: a line of its own
+                self.terminal.write("\n")
+            self.terminal.write_line(f"[{report.node.gateway.id}] {path}")
+
+
+def pytest_sessionstart(session):
+    terminal = session.config.pluginmanager.getplugin("terminalreporter")
+    if session.config.pluginmanager.hasplugin("dsession") and terminal is not None:  # xdist's controller
+        session.config.pluginmanager.register(FileStarts(terminal), "file_starts")

@@ -40,7 +40,7 @@ class Timed(Environment):
         return EnvStep(reward=float(turn), done=turn == 3, observation=f" turn {turn} seen.")
 '''
 
-SLOW_S = 3.0
+SLOW_S = 2.0
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 COMMANDS = ["bash scripts/setup.sh && .venv/bin/rlkit train --config-name grpo_tiny_cpu",
-            "bash scripts/setup.sh && .venv/bin/python -m pytest tests"]
+            "bash scripts/setup.sh && .venv/bin/python -m pytest tests -n 2"]
 # words of an issue tracker or of how and where the project was developed, and paths outside the
 # repository ("session" alone is not here: Ray has session folders)
 FORBIDDEN = [r"\bissue ?#?\d+", r"issue1", r"\blent\b", r"device time", r"\.\./shared", r"/work/",
