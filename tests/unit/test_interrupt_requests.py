@@ -20,11 +20,12 @@ def checkpoint_cfg(enabled: bool) -> CheckpointConfig:
 
 
 def test_with_checkpoints_the_first_signal_asks_for_a_stop_at_the_step_boundary():
+    before = signal.getsignal(signal.SIGTERM)
     with stop_on_signals(checkpoint_cfg(True)) as stop_requested:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop_requested() == "SIGTERM"  # the loop checkpoints this step, then stops
         assert stop_requested.grace_timer.is_alive()  # interrupt_grace_s bounds how long that may take
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before  # the process's own handler is back
     # stopped in time: the grace period's timer is gone, and interrupts nothing this process does next
     stop_requested.grace_timer.join(timeout=5)
     assert not stop_requested.grace_timer.is_alive()
