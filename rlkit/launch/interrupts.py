@@ -18,7 +18,8 @@ from rlkit.config.schema import CheckpointConfig
 log = logging.getLogger("rlkit")
 
 
-NOTHING_SAVED = "with checkpoint.enabled=false, which saves nothing; rerun the same command to start over"
+NOTHING_SAVED = ("with checkpoint.enabled=false, which saves nothing; rerun the same command to start again from "
+                 "where this run started")
 
 
 class StopRequest:

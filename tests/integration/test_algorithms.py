@@ -53,7 +53,7 @@ def test_ppo_reward_rises_while_value_loss_falls_and_resumes_with_its_critic(tra
     """PPO learns; its last checkpoint holds the critic beside the policy, and rerunning with more
     steps continues after it, loading both."""
     first = train("ppo_tiny_cpu", "algorithm.num_steps=20", "algorithm.val_every=20", "run.name=ppo",
-                  "checkpoint.enabled=true", "checkpoint.every=0").history
+                  "checkpoint.enabled=true").history
     # the warm start leaves the reward near 0.9: PPO closes at least a quarter of the rest of the way to 1
     # (0.40 to 0.57 of it over those six runs)
     start, end = mean(first, "train/reward", slice(0, 3)), mean(first, "train/reward", slice(-10, None))
@@ -61,7 +61,7 @@ def test_ppo_reward_rises_while_value_loss_falls_and_resumes_with_its_critic(tra
     assert first[-1]["val/reward"] > first[0]["val/reward"]
     assert mean(first, "critic/value_loss", slice(-10, None)) < 0.5 * mean(first, "critic/value_loss", slice(0, 3))
     resumed = train("ppo_tiny_cpu", "algorithm.num_steps=21", "algorithm.val_every=20", "run.name=ppo",
-                    "checkpoint.enabled=true", "checkpoint.every=0")
+                    "checkpoint.enabled=true")
     assert [m["step"] for m in resumed.history] == list(range(22))
     assert resumed.history[:21] == first and "critic/value_loss" in resumed.history[21]
     checkpoint = resumed.run_dir / "checkpoints" / "step_000021"

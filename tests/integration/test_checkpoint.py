@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM
 
 from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.checkpoint import MANIFEST, CheckpointManager
+from rlkit.cli import main
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.launch.config import load_config
-from rlkit.cli import main
 from rlkit.launch.run import export_hf, train
 
 pytestmark = pytest.mark.integration

@@ -1,7 +1,7 @@
 """A signal during a run (rlkit/launch/interrupts.py), in this process: with checkpoints the first one
 asks for a stop at the next step boundary and the run goes on, its grace period's timer cancelled
 once the run has stopped; with checkpoint.enabled=false there
-is nothing to finish, so it stops the run where it is and says a rerun starts over; the warm
+is nothing to finish, so it stops the run where it is and says a rerun starts where this one did; the warm
 start's stop-at-once reason holds within either and the run's own is back after it."""
 
 import os
@@ -40,7 +40,7 @@ def test_without_checkpoints_the_first_signal_stops_at_once_and_a_rerun_starts_o
             pytest.fail("the signal did not stop the run")
     assert stopped.value.reason == "SIGTERM"
     assert str(stopped.value) == ("stopped by SIGTERM with checkpoint.enabled=false, which saves nothing; rerun the "
-                                  "same command to start over")
+                                  "same command to start again from where this run started")
 
 
 def test_the_warm_starts_reason_names_the_stop_within_it():
