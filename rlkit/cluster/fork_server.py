@@ -167,17 +167,24 @@ def _die_with_parent(parent: int) -> None:
 
 
 def preload(names: tuple[str, ...]) -> str | None:
-    """Import names, with Ray kept out; returns why forking is unsafe after that, or None."""
+    """Import names, with Ray and wandb kept out; returns why forking is unsafe after that, or None."""
     sys.modules.setdefault("ray", None)  # `import ray` raises ImportError while this placeholder is there
-    for name in names:
-        module, _, function = name.partition(":")
-        try:
-            imported = importlib.import_module(module)
-        except ImportError as error:  # an optional backend that is not installed: its workers import it
-            log.debug("fork server: not preloading %s: %s", module, error)
-            continue
-        if function:
-            getattr(imported, function)()
+    # megatron-core imports wandb for its inference engine's logging alone, which no worker uses: 0.4 s
+    # of CPU, and two temporary folders that this server and its workers (ending by os._exit) leave behind
+    keep_out_wandb = sys.modules.setdefault("wandb", None) is None
+    try:
+        for name in names:
+            module, _, function = name.partition(":")
+            try:
+                imported = importlib.import_module(module)
+            except ImportError as error:  # an optional backend that is not installed: its workers import it
+                log.debug("fork server: not preloading %s: %s", module, error)
+                continue
+            if function:
+                getattr(imported, function)()
+    finally:
+        if keep_out_wandb:  # a worker that wants wandb imports it
+            del sys.modules["wandb"]
     if sys.modules.get("ray") is not None:
         return "a preloaded module imported Ray"
     if _cuda_driver_initialized():

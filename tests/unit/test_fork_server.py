@@ -175,13 +175,15 @@ def test_a_command_starts_its_server_ahead_only_for_a_local_cluster(monkeypatch,
 @pytest.mark.parametrize("modules", ["PRELOAD", "GPU_PRELOAD"])
 def test_the_default_preload_is_fork_safe(modules):
     """What every run's server imports (vLLM only where it is installed): no Ray, no Python thread,
-    no CUDA, and every module that is installed imported (one subprocess, about 5 s)."""
+    no CUDA, every module that is installed imported, and not wandb (which megatron-core would
+    import), though a worker still can (one subprocess, about 5 s)."""
     code = (f"import sys; from rlkit.cluster.fork_server import {modules}, preload; print(preload({modules})); "
-            f"print(','.join(m for m in {modules} if m.partition(':')[0] not in sys.modules))")
+            f"print(','.join(m for m in {modules} if m.partition(':')[0] not in sys.modules)); "
+            "print('wandb' in sys.modules); import wandb")
     checked = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stderr[-2000:]
-    unsafe, not_imported = checked.stdout.splitlines()[-2:]
-    assert unsafe == "None"
+    unsafe, not_imported, wandb_imported = checked.stdout.splitlines()[-3:]
+    assert unsafe == "None" and wandb_imported == "False"
     uninstalled = {"vllm.entrypoints.llm"} if importlib.util.find_spec("vllm") is None else set()  # GPU machines only
     assert set(filter(None, not_imported.split(","))) <= uninstalled
 
