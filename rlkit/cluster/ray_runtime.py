@@ -47,10 +47,15 @@ def _start_local(cfg: ClusterConfig) -> None:
         _fork_server = take_started_ahead()  # a command's, started as it began
         if _fork_server is None and cfg.fork_workers and fork_server_available():
             _fork_server = ForkServer.start()
+        # the raylet holds the first driver's registration until a worker it starts for it ahead
+        # has started: a forked one waits for the server's imports (vLLM's, on a GPU: 15-20 s),
+        # which would keep the driver from its own start-up meanwhile. Workers start on demand.
+        system_config = {"prestart_worker_first_driver": False} if _fork_server is not None else {}
         with _local_node_settings(_fork_server):
             # address="local" ignores a stale /tmp/ray/ray_current_cluster
             ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
-                     object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True)
+                     object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True,
+                     _system_config=system_config)
     except BaseException:
         _stop_fork_server()
         raise
