@@ -1,8 +1,8 @@
 """A signal during a run (rlkit/launch/interrupts.py), in this process: with checkpoints the first one
 asks for a stop at the next step boundary and the run goes on, its grace period's timer cancelled
-once the run has stopped; with checkpoint.enabled=false there
-is nothing to finish, so it stops the run where it is and says a rerun starts where this one did; the warm
-start's stop-at-once reason holds within either and the run's own is back after it."""
+once the run has stopped; with checkpoint.enabled=false there is nothing to finish, so it stops the
+run where it is and says a rerun starts where this one did; the warm start's stop-at-once reason
+holds within either and the run's own is back after it."""
 
 import os
 import signal
