@@ -6,7 +6,16 @@ order, and the other the unit tests beside them: the integration tests share one
 of workers and cache per session, and two of them training at once on a small machine would starve
 the clusters their commands start."""
 
+import gc
+
 import pytest
+
+
+def pytest_collection_finish(session):
+    # what collection imported is never garbage: the session's full collections (one per several
+    # runs, and pytest's own at its end) need not walk it again
+    gc.enable()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items):
@@ -44,6 +53,9 @@ class FileStarts:
 
 
 def pytest_sessionstart(session):
-    terminal = session.config.pluginmanager.getplugin("terminalreporter")
-    if session.config.pluginmanager.hasplugin("dsession") and terminal is not None:  # xdist's controller
-        session.config.pluginmanager.register(FileStarts(terminal), "file_starts")
+    if session.config.pluginmanager.hasplugin("dsession"):  # xdist's controller: it collects nothing
+        terminal = session.config.pluginmanager.getplugin("terminalreporter")
+        if terminal is not None:
+            session.config.pluginmanager.register(FileStarts(terminal), "file_starts")
+    else:  # collection imports torch, Ray and the rest: full collections as the heap grows find nothing
+        gc.disable()

@@ -25,6 +25,7 @@ every client execs a worker of its own. Linux only."""
 import array
 import atexit
 import ctypes
+import gc
 import importlib
 import json
 import logging
@@ -172,6 +173,7 @@ def preload(names: tuple[str, ...]) -> str | None:
     # megatron-core imports wandb for its inference engine's logging alone, which no worker uses: 0.4 s
     # of CPU, and two temporary folders that this server and its workers (ending by os._exit) leave behind
     keep_out_wandb = sys.modules.setdefault("wandb", None) is None
+    gc.disable()  # nothing the imports make is garbage worth the full collections their growth would trigger
     try:
         for name in names:
             module, _, function = name.partition(":")
@@ -183,6 +185,7 @@ def preload(names: tuple[str, ...]) -> str | None:
             if function:
                 getattr(imported, function)()
     finally:
+        gc.enable()
         if keep_out_wandb:  # a worker that wants wandb imports it
             del sys.modules["wandb"]
     if sys.modules.get("ray") is not None:
@@ -287,6 +290,8 @@ def serve(path: str, lifeline: int, modules: tuple[str, ...]) -> None:
         print(f"rlkit fork server: {unsafe}; each worker starts on its own", file=sys.stderr, flush=True)
         return  # the clients' connections close: each execs a worker of its own
     without_ray = _without_ray()
+    # no worker's garbage collections walk (and so copy) the pages of what the server imported
+    gc.freeze()
     # Python 3.12 warns at every fork of a process with native threads: torch's import starts some
     # (its thread pools, idle here), as it does in every process whose DataLoader forks workers
     warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded", category=DeprecationWarning)

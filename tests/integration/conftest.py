@@ -38,7 +38,8 @@ def make_cfg(cache_dir, tmp_path_factory):
 
     def make(*overrides: str):
         cfg, resolved = load_config("grpo_tiny_cpu", [f"run.cache_dir={cache_dir}", f"run.output_dir={outputs}",
-                                                      "algorithm.warm_start.sft_steps=0", *overrides])
+                                                      "algorithm.warm_start.sft_steps=0", "logger.plots=false",
+                                                      *overrides])
         return cfg, resolved
 
     return make

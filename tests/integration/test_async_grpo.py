@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 ASYNC = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3", "algorithm.prompts_per_step=8",
          "policy.train_global_batch_size=64", "algorithm.warm_start.sft_steps=60", "algorithm.kl_coef=0.01",
          "cluster.placement=disaggregated", "algorithm.max_staleness=2", "algorithm.off_policy_correction=token_tis",
-         "run.name=grpo_async"]
+         "run.name=grpo_async", "logger.plots=false"]
 
 
 def train_command(out_dir, cache_dir, flow):

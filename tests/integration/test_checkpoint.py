@@ -31,7 +31,8 @@ from rlkit.launch.run import export_hf, train
 pytestmark = pytest.mark.integration
 RUN = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3", "algorithm.prompts_per_step=8",
        "policy.train_global_batch_size=64", "algorithm.warm_start.sft_steps=60", "algorithm.kl_coef=0.01",
-       "policy.optimizer.lr_schedule=cosine", "policy.optimizer.warmup_steps=2", "policy.optimizer.min_lr_ratio=0.1"]
+       "policy.optimizer.lr_schedule=cosine", "policy.optimizer.warmup_steps=2", "policy.optimizer.min_lr_ratio=0.1",
+       "logger.plots=false"]
 
 
 def compared(metrics_file) -> dict[int, dict]:
@@ -188,7 +189,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
 # (An entropy bonus to move them, even at 0.001, undoes the tool calls within three steps.)
 TOOLS_RUN = ("algorithm.num_steps=4", "checkpoint.every=2", "algorithm.val_every=100", "algorithm.prompts_per_step=2",
              "policy.train_global_batch_size=16", "policy.micro_batch_size=8", "algorithm.warm_start.sft_steps=60",
-             "algorithm.warm_start.batch_size=32")
+             "algorithm.warm_start.batch_size=32", "logger.plots=false")
 
 
 def test_a_tool_run_killed_with_sigkill_resumes_exactly(warm_pool, tmp_path_factory, cache_dir):

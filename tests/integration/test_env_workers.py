@@ -194,7 +194,8 @@ def test_multi_turn_grpo_improves(warm_pool, cache_dir, tmp_path):
 
     cfg, resolved = load_config("grpo_tiny_cpu_multiturn", [f"run.cache_dir={cache_dir}",
                                                             f"run.output_dir={tmp_path}", "algorithm.num_steps=30",
-                                                            "algorithm.val_every=15", "checkpoint.enabled=false"])
+                                                            "algorithm.val_every=15", "checkpoint.enabled=false",
+                                                            "logger.plots=false"])
     history = train(cfg, resolved, pool=warm_pool).history
     rewards = [m["train/reward"] for m in history[1:]]
     assert history[-1]["val/reward"] >= history[0]["val/reward"] + 0.05

@@ -25,7 +25,7 @@ def started_run(out_dir, cache_dir, ray_dir, *overrides) -> subprocess.Popen:
     command = [sys.executable, "-m", "rlkit.cli", "train", "--config-name", "grpo_tiny_cpu", "algorithm.num_steps=50",
                "checkpoint.every=0", "algorithm.val_every=100", "algorithm.prompts_per_step=8",
                "policy.train_global_batch_size=64", "algorithm.warm_start.sft_steps=4", f"run.output_dir={out_dir}",
-               f"run.cache_dir={cache_dir}", *overrides]
+               f"run.cache_dir={cache_dir}", "logger.plots=false", *overrides]
     with open(out_dir / "stderr.txt", "w") as stderr:
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True,
                                 env={**os.environ, "RAY_TMPDIR": str(ray_dir)})

@@ -244,7 +244,7 @@ def test_the_lora_recipe_warm_starts_every_weight_then_trains_adapters(warm_pool
         f"run.cache_dir={cache_dir}", f"run.output_dir={tmp_path}", "algorithm.num_steps=2", "algorithm.val_every=2",
         "checkpoint.every=0", "algorithm.prompts_per_step=16", "policy.train_global_batch_size=128",
         # a warm start of its own (the key covers sft_steps): this run trains it
-        "algorithm.warm_start.sft_steps=61"])
+        "algorithm.warm_start.sft_steps=61", "logger.plots=false"])
     history = train(cfg, resolved, pool=warm_pool).history
     assert history[0]["val/reward"] > 0.02  # the full-tuning warm start answers
     assert all(history[step]["train/grad_norm"] > 0 for step in (1, 2))  # the adapters train

@@ -38,7 +38,7 @@ def test_a_lora_run_refits_the_adapters_alone(warm_pool, cache_dir, tmp_path):
     cfg, resolved = load_config(RECIPE, [
         f"run.cache_dir={cache_dir}", f"run.output_dir={tmp_path}", "algorithm.num_steps=2", "algorithm.val_every=2",
         "checkpoint.every=0", "algorithm.prompts_per_step=16", "policy.train_global_batch_size=128",
-        "algorithm.warm_start.sft_steps=61", "refit.peft=adapter"])
+        "algorithm.warm_start.sft_steps=61", "refit.peft=adapter", "logger.plots=false"])
     history = train(cfg, resolved, pool=warm_pool).history
     base_bytes, adapter_bytes = _parameter_bytes(resolve_model_dir(cfg), cfg.policy.peft)
     assert adapter_bytes < base_bytes / 10  # what the merged refit would move instead
