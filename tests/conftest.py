@@ -7,6 +7,7 @@ of workers and cache per session, and two of them training at once on a small ma
 the clusters their commands start."""
 
 import gc
+import os
 
 import pytest
 
@@ -16,6 +17,15 @@ def pytest_collection_finish(session):
     # runs, and pytest's own at its end) need not walk it again
     gc.enable()
     gc.freeze()
+
+
+def pytest_runtest_setup(item):
+    """Under pytest-xdist the unit tests' process (and what it starts) runs at SCHED_IDLE: it takes
+    the cores only while the integration tests' runs leave them idle (their drivers' serial parts),
+    instead of taking a core from those runs' workers (Ray's, at nice 15) for its first minutes."""
+    unit = item.path.parent.name == "unit"
+    if "PYTEST_XDIST_WORKER" in os.environ and unit != (os.sched_getscheduler(0) == os.SCHED_IDLE):
+        os.sched_setscheduler(0, os.SCHED_IDLE if unit else os.SCHED_OTHER, os.sched_param(0))
 
 
 def pytest_collection_modifyitems(items):
