@@ -26,11 +26,12 @@ from rlkit.cluster.fork_server import ForkServer
 from rlkit.config.schema import ClusterConfig
 
 WORKER = textwrap.dedent("""\
-    import json, os, random, sys, time
+    import gc, json, os, random, sys, time
     import helper  # from PYTHONPATH in the client's environment
     print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("WORKER_ENV"), "pid": os.getpid(),
                       "ppid": os.getppid(), "random": random.random(), "helper": helper.VALUE,
-                      "client_env": [os.environ.get("RLKIT_FORK_SOCKET"), os.environ.get("RLKIT_FORK_WORKER")]}),
+                      "client_env": [os.environ.get("RLKIT_FORK_SOCKET"), os.environ.get("RLKIT_FORK_WORKER")],
+                      "gc": [gc.isenabled(), gc.get_freeze_count()]}),
           flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     if sys.argv[1] == "sleep":
@@ -75,6 +76,8 @@ def test_a_forked_worker_runs_as_the_client_would_and_its_status_comes_back(serv
     assert seen["env"] == "from the client" and seen["helper"] == 7
     assert seen["client_env"] == [None, None]  # the client's own settings stay out of the worker's
     assert seen["ppid"] == server.process.pid  # forked by the server, not started by the client
+    # what the server preloaded is frozen: the worker's collections, on as in any process, leave it be
+    assert seen["gc"][0] and seen["gc"][1] > 0
     again = json.loads(run_worker(server.socket, script, "exit", "0")[1])
     assert again["random"] != seen["random"]  # each worker seeds its own, as a fresh process does
 
