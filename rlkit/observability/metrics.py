@@ -103,24 +103,24 @@ def save_plots(history: list[dict], out_dir: Path) -> list[Path]:
         points = [(m["step"], m[key]) for m in history if key in m]
         return [p[0] for p in points], [p[1] for p in points]
 
-    def save(name: str, draw) -> None:
+    def save(name: str, keys: tuple[str, ...]) -> None:
+        """keys' series on one axis: a legend where there are several, else the key as its title."""
         figure = Figure(figsize=(6, 4))
         axis = figure.subplots()
-        draw(axis)
+        for key in keys:
+            axis.plot(*series(key), marker="o" if key.startswith("val") else None, label=key)
+        if len(keys) > 1:
+            axis.legend()
+        else:
+            axis.set_title(keys[0])
         axis.set_xlabel("step")
         figure.savefig(out_dir / name, dpi=100)
         written.append(out_dir / name)
 
-    def rewards(axis):
-        for key in ("train/reward", "val/reward"):
-            axis.plot(*series(key), marker="o" if key.startswith("val") else None, label=key)
-        axis.legend()
-
-    save("reward.png", rewards)
+    save("reward.png", ("train/reward", "val/reward"))
     for key in PLOTTED:
-        steps, values = series(key)
-        if steps:
-            save(key.replace("/", "_") + ".png", lambda axis: (axis.plot(steps, values), axis.set_title(key)))
+        if any(key in m for m in history):
+            save(key.replace("/", "_") + ".png", (key,))
     return written
 
 
