@@ -32,6 +32,12 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.parent.name != "unit")  # stable: each tier keeps its order
 
 
+# Integration tests whose runs start Ray clusters of their own (subprocesses), none of the session's:
+# each is a unit of work of its own, handed out after the unit tests (collection order), so the
+# process that ran those runs them beside the shared integration tests instead of idling
+OWN_CLUSTER_FILES = {"tests/integration/test_interrupts.py", "tests/integration/test_ray_job.py"}
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
@@ -41,7 +47,8 @@ def pytest_xdist_make_scheduler(config, log):
         out the largest unit first, so the integration tests start at once."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return "integration" if nodeid.startswith("tests/integration/") else nodeid
+            shared = nodeid.startswith("tests/integration/") and nodeid.split("::", 1)[0] not in OWN_CLUSTER_FILES
+            return "integration" if shared else nodeid
 
     return IntegrationApart(config, log)
 
