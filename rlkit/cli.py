@@ -37,7 +37,7 @@ def _train(args) -> int:
     from rlkit.observability.startup import StartupClock
 
     try:
-        result = train(cfg, resolved, StartupClock(from_process_start=True))
+        result = train(cfg, resolved, StartupClock(from_rlkit_start=True))
     except RunStopped as e:
         print(f"rlkit: {e}", file=sys.stderr)
         return 128 + signal.Signals[e.reason]

@@ -6,16 +6,10 @@ and loads) and the driver adds them as the breakdown of its group's phase. The r
 once the first step starts, and the first row of metrics.jsonl holds every figure as
 timing/startup/<phase> (timing/startup/<group>/<part> for the workers' parts)."""
 
-import os
 import time
 from contextlib import contextmanager
 
-
-def seconds_since_process_start() -> float:
-    """How long this process has run: the interpreter and the imports before any clock of rlkit's."""
-    import psutil
-
-    return max(time.time() - psutil.Process(os.getpid()).create_time(), 0.0)
+import rlkit
 
 
 class PhaseTimes:
@@ -38,14 +32,13 @@ class PhaseTimes:
 
 
 class StartupClock(PhaseTimes):
-    """The driver's phases to the first step: from the process start (the command line's run,
-    whose interpreter and imports are a phase), or from now."""
+    """The driver's phases to the first step: from rlkit's start in this process (a command's,
+    whose imports are a phase; the interpreter's own start before it takes some tens of ms), or from now."""
 
-    def __init__(self, from_process_start: bool = False):
+    def __init__(self, from_rlkit_start: bool = False):
         super().__init__()
-        self.started = time.perf_counter()
-        if from_process_start:
-            self.started -= seconds_since_process_start()
+        self.started = rlkit.STARTED if from_rlkit_start else time.perf_counter()
+        if from_rlkit_start:
             self.phases["python_imports"] = time.perf_counter() - self.started
         self.parts: dict[str, dict[str, float]] = {}  # phase -> its workers' breakdown
 
