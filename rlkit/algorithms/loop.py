@@ -83,25 +83,26 @@ def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: Shu
               checkpoints: CheckpointManager, logger: MetricsLogger, resume_from: Path | None,
               stop_requested: Callable[[], str | None], clock: StartupClock) -> RunResult:
     """Steps 1..algorithm.num_steps (after the checkpoint's step when resuming), validating before
-    the first (algorithm.val_before_training) and every algorithm.val_every, checkpointing every
-    checkpoint.every and at the end. The start-up's phases (clock) are logged once, before the
+    the first (algorithm.val_before_training) and every algorithm.val_every (never with
+    data.val_path=null), checkpointing every checkpoint.every and at the end. The start-up's phases (clock) are logged once, before the
     first step, and go into the first row of metrics.
     stop_requested() names why to stop (e.g. "SIGTERM"), checked between steps: the run then
     checkpoints the step it finished and raises RunStopped."""
     a = cfg.algorithm
+    validates = cfg.data.val_path is not None  # null: no validation at all (said in the run's first lines)
     state = CheckpointManager.controller_state(resume_from) if resume_from else None
     if state is not None:
         log.info("resuming from %s: continuing after step %d", resume_from, state["step"])
         trainer.load(str(resume_from), state["step"])
         rows.restore(state["rows"])
-    elif a.val_before_training:
+    elif a.val_before_training and validates:
         start = time.perf_counter()
         with clock.phase("validation"):
             baseline = trainer.validate()
         log.info("before training: %s", ", ".join(f"{k} {v:.3f}" for k, v in baseline.items() if k.startswith("val/")))
     log.info(clock.line())
     startup = clock.metrics()  # in the first row logged
-    if state is None and a.val_before_training:
+    if state is None and a.val_before_training and validates:
         logger.log(0, {**baseline, "timing/step": time.perf_counter() - start, **startup})
         startup = {}
     first = state["step"] + 1 if state else 1
@@ -110,7 +111,7 @@ def run_steps(cfg: RootConfig, resolved: DictConfig, trainer: Trainer, rows: Shu
         try:
             metrics = {**trainer.step(rows, step), **startup}
             startup = {}
-            if step % a.val_every == 0 or step == a.num_steps:
+            if validates and (step % a.val_every == 0 or step == a.num_steps):
                 metrics.update(trainer.validate())
             why = stop_requested()
             if checkpoints.finish(wait=False):  # the checkpoint written since an earlier step, if it is on disk

@@ -46,11 +46,18 @@ def load_rows(source: str, max_row_bytes: int, split: str = "train", subset: str
 def missing_file(source: str) -> str | None:
     """Why `source`, read as a local data file, cannot be: it is not there. None when it is, or
     when it names a dataset folder or a hub dataset."""
-    path = Path(source).expanduser()
-    looks_local = path.suffix.lower() in LOCAL_FORMATS or source.startswith(("/", "./", "../", "~"))
-    if looks_local and not path.exists():
+    if _looks_local(source) and not Path(source).expanduser().exists():
         return f"{source}: no such file; check the path (it is read as a local data file)"
     return None
+
+
+def is_local(source: str) -> bool:
+    """Whether `source` names a local file or folder (there or not), not a hub dataset."""
+    return _looks_local(source) or Path(source).expanduser().exists()
+
+
+def _looks_local(source: str) -> bool:
+    return Path(source).suffix.lower() in LOCAL_FORMATS or source.startswith(("/", "./", "../", "~"))
 
 
 def _json_rows(path: Path, source: str) -> list[dict]:

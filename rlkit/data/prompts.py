@@ -132,12 +132,10 @@ def tools_system_text(tools: list[dict]) -> str:
 
 
 def load_prompt_splits(d: PromptDataConfig, renderer: PromptRenderer) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, validation) prompts of data.train_path / data.val_path, after writing the generated
-    set there when data.synthetic asks for one (rewritten only when it differs, so the files always
-    hold the configured set; never over a file rlkit did not write). Prompts longer than
-    data.max_prompt_tokens are dropped, with the count in the log."""
-    if d.synthetic is not None:
-        write_generated_sets(d)
+    """(train, validation) prompts of data.train_path / data.val_path, or of the set data.synthetic
+    generates (written there too: rewritten only when it differs, never over a file rlkit did not
+    write). Prompts longer than data.max_prompt_tokens are dropped, with the count in the log."""
+    generated = write_generated_sets(d) if d.synthetic is not None else {}
     splits = []
     for key, path, split in [("data.train_path", d.train_path, d.train_split),
                              ("data.val_path", d.val_path, d.val_split)]:
@@ -145,7 +143,7 @@ def load_prompt_splits(d: PromptDataConfig, renderer: PromptRenderer) -> tuple[l
             splits.append([])
             continue
         try:
-            rows = load_rows(path, d.max_row_bytes, split, d.subset)
+            rows = generated[key] if key in generated else load_rows(path, d.max_row_bytes, split, d.subset)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"{key}: {e}") from None
         prompts = [_prompt(row, f"{path} row {i}", d, renderer) for i, row in enumerate(rows)]

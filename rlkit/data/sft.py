@@ -144,18 +144,18 @@ def _unstable(where: str, why: str) -> str:
 
 
 def load_tokenized_splits(d: FileDataConfig, tokenize) -> tuple[list, list]:
-    """Tokenized (train, val) examples of data.train_path / data.val_path, after writing the
-    generated set there first if data.synthetic asks for one (rewritten only when it differs;
-    never over a file rlkit did not write). tokenize(row, where, max_tokens) -> example."""
-    if d.synthetic is not None:
-        write_generated_sets(d)
+    """Tokenized (train, val) examples of data.train_path / data.val_path, or of the set
+    data.synthetic generates (written there too: rewritten only when it differs; never over a
+    file rlkit did not write). tokenize(row, where, max_tokens) -> example."""
+    generated = write_generated_sets(d) if d.synthetic is not None else {}
     splits = []
     for key, path in [("data.train_path", d.train_path), ("data.val_path", d.val_path)]:
         if path is None:
             splits.append([])
             continue
         try:
-            splits.append([tokenize(row, f"{path} row {i}", d.max_length) for i, row in enumerate(load_rows(path, d.max_row_bytes))])
+            rows = generated[key] if key in generated else load_rows(path, d.max_row_bytes)
+            splits.append([tokenize(row, f"{path} row {i}", d.max_length) for i, row in enumerate(rows)])
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"{key}: {e}") from None
     return splits[0], splits[1]

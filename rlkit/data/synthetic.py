@@ -48,12 +48,17 @@ def refused(key: str, problem: str) -> str:
             f"generated there")
 
 
-def write_generated_sets(d: PromptDataConfig | FileDataConfig) -> None:
-    """The data.synthetic set in data.train_path / data.val_path, rewritten only when it changes."""
+def write_generated_sets(d: PromptDataConfig | FileDataConfig) -> dict[str, list[dict]]:
+    """The data.synthetic set in data.train_path / data.val_path, rewritten only when it changes.
+    Returns the records by config key: the run trains on these, never on what it reads back (a
+    run generating another set may have rewritten the file since)."""
     origin = {"data.name": d.name, "data.synthetic": dataclasses.asdict(d.synthetic)}
+    written = {}
     for key, path, records in generated_sets(d):
         try:
             if write_generated(path, records, origin):
                 log.info("data: wrote the generated set (data.synthetic) to %s", path)
         except FileExistsError as e:
             raise ConfigError(refused(key, str(e))) from None
+        written[key] = records
+    return written

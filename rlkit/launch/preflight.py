@@ -1,9 +1,9 @@
 """Checks that a run can do something at all, before any worker starts.
 
 A run that cannot work is a ConfigError; one that looks pointless but may be meant is a warning
-in its first lines. With the config (check_config, the last step of validation): generated data
-must not land on a user's file, async rollouts must ever see new weights, the learning rate should
-get out of its warmup. On resume (check_resumed_schedule): an async run keeps its schedule. Once
+in its first lines. With the config (check_config, the last step of validation): each split comes
+from where the run says and is the run's own, generated data must not land on a user's file,
+async rollouts must ever see new weights, the learning rate should get out of its warmup. On resume (check_resumed_schedule): an async run keeps its schedule. Once
 the prompts are loaded (check_prompts): every row holds what the environment reads, and a correct
 answer fits the token budget.
 """
@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from rlkit.algorithms.registry import load_algorithm
 from rlkit.config.schema import ConfigError, RootConfig
-from rlkit.data.files import foreign_file, missing_file
+from rlkit.data.files import foreign_file, is_local, missing_file
 from rlkit.data.synthetic import generated_sets, refused
 from rlkit.envs.base import Environment, import_target
 
@@ -30,19 +30,46 @@ log = logging.getLogger("rlkit")
 def check_config(cfg: RootConfig) -> None:
     """The checks of a whole config (the last step of its validation)."""
     rollouts = load_algorithm(cfg.algorithm.name).rollouts
-    if cfg.data.synthetic is not None:
-        _check_generated_data(cfg)
-    else:  # at once: the files are read only once the tokenizer has loaded and Ray has started
-        for key, path in [("data.train_path", cfg.data.train_path), ("data.val_path", cfg.data.val_path)]:
-            missing = path is not None and missing_file(path)
-            if missing:
-                raise ConfigError(f"{key}: {missing}")
+    _check_data_paths(cfg)
     if rollouts and cfg.algorithm.max_staleness >= cfg.algorithm.num_steps:
         a = cfg.algorithm
         raise ConfigError(f"algorithm.max_staleness: must be below algorithm.num_steps, or every rollout comes from "
                           f"the starting weights and the engines never get new ones (got: {a.max_staleness} with "
                           f"num_steps={a.num_steps}); use at most {a.num_steps - 1}, or 0 for on-policy rollouts")
     _warn_long_warmup(cfg, rollouts)
+
+
+def _check_data_paths(cfg: RootConfig) -> None:
+    """At once (the files are read only once the tokenizer has loaded and Ray has started): each
+    split comes from where this run says, and is this run's own."""
+    d = cfg.data
+    if d.val_path is None:
+        log.info("data.val_path=null: validation is skipped (before training, every algorithm.val_every steps and at "
+                 "the last step)")
+    elif d.val_path == d.train_path and (d.synthetic is not None or is_local(d.train_path)):
+        overwrite = ", and the generated validation rows would overwrite the training rows" if d.synthetic else ""
+        raise ConfigError(f"data.val_path: is data.train_path ({d.train_path}), so validation would score the "
+                          f"training rows{overwrite}; give a separate validation file, or data.val_path=null to skip "
+                          f"validation")
+    if d.synthetic is not None:
+        _check_generated_data(cfg)
+        return
+    cache = Path(cfg.run.cache_dir).resolve()
+    for key, path in [("data.train_path", d.train_path), ("data.val_path", d.val_path)]:
+        if path is None:
+            continue
+        missing = missing_file(path)
+        if missing:
+            raise ConfigError(f"{key}: {missing}")
+        if is_local(path) and Path(path).expanduser().resolve().is_relative_to(cache):
+            # a recipe's default path of a generated set: another run's, with whatever it generated
+            raise ConfigError(f"{key}: {path} lies in run.cache_dir ({cfg.run.cache_dir}), where runs with "
+                              f"data.synthetic write their generated sets, and this run generates none "
+                              f"(data.synthetic=null); give your own file"
+                              + (", or data.val_path=null to skip validation" if key == "data.val_path" else ""))
+    if d.val_path is not None and is_local(d.train_path) and not is_local(d.val_path):
+        raise ConfigError(f"data.val_path: {d.val_path} is a hub dataset, while data.train_path is the local "
+                          f"{d.train_path}; set data.val_path to a local validation file, or null to skip validation")
 
 
 def _check_generated_data(cfg: RootConfig) -> None:
