@@ -69,11 +69,9 @@ def _env_check(args) -> int:
 
 
 def _convert(args) -> int:
-    from rlkit.launch.run import export_hf
+    from rlkit.launch.convert import export_hf
 
-    out = export_hf(Path(args.checkpoint), Path(args.out), args.merged)
-    kind = "HF PEFT adapter" if (out / "adapter_config.json").is_file() else "HF checkpoint"
-    print(f"{kind} written to {out}")
+    print(export_hf(Path(args.checkpoint), Path(args.out), args.merged).line())
     return 0
 
 
@@ -113,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     convert = commands.add_parser("convert", help="export HF weights (or a policy.peft run's HF PEFT adapter) from a "
                                                   "checkpoint")
     convert.add_argument("checkpoint", help="a checkpoint directory (.../checkpoints/step_NNNNNN)")
-    convert.add_argument("out", help="directory for the HF checkpoint or adapter")
+    convert.add_argument("out", help="a new (or empty) directory for the HF checkpoint or adapter")
     convert.add_argument("--merged", action="store_true",
                          help="policy.peft runs: the base with the adapters merged in, instead of the adapter")
     pretrained = commands.add_parser("pretrained", help="materialize a pretrained model into the cache, print its path")

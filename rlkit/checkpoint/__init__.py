@@ -93,10 +93,7 @@ class CheckpointManager:
 
     def complete(self) -> list[Path]:
         """Whole checkpoints, oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _COMPLETE.match(p.name))]
-        return [p for _, p in sorted(found)]
+        return complete_checkpoints(self.root)
 
     def to_resume(self) -> Path | None:
         """The checkpoint checkpoint.resume asks for, verified: auto = the newest intact one (None if
@@ -200,6 +197,14 @@ class CheckpointManager:
         import torch
 
         return torch.load(path / "controller.pt", weights_only=False)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The whole checkpoints (step_NNNNNN) in root, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _COMPLETE.match(p.name))]
+    return [p for _, p in sorted(found)]
 
 
 def named_checkpoint(resume: str) -> Path:

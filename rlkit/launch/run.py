@@ -21,7 +21,6 @@ from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.batch import rollout_batch
 from rlkit.data.generation import SamplingParams
 from rlkit.data.stream import ShuffledStream
-from rlkit.launch.config import to_typed
 from rlkit.launch.interrupts import stop_on_signals
 from rlkit.launch.preflight import check_prompts, check_resumed_schedule
 from rlkit.models.resolve import resolve_model_dir
@@ -30,7 +29,7 @@ from rlkit.observability.logprob_agreement import logprob_error
 from rlkit.observability.metrics import MetricsLogger, read_history
 from rlkit.observability.startup import StartupClock
 from rlkit.cluster.refit_driver import RefitDriver
-from rlkit.workers.policy.adapter_base import check_base, recorded_base
+from rlkit.workers.policy.adapter_base import check_base
 
 log = logging.getLogger("rlkit")
 
@@ -169,31 +168,6 @@ def check_expert_layout(cfg: RootConfig, saved: DictConfig, checkpoint_dir: Path
                           f"for {cfg.policy.expert_parallel_size}; its optimizer state loads only at the size it was "
                           f"saved at: resume with policy.expert_parallel_size={saved_ep}, or export the weights "
                           f"(rlkit convert) and start a new run from them")
-
-
-def export_hf(checkpoint_dir: Path, out_dir: Path, merged: bool = False) -> Path:
-    """`rlkit convert`: HF weights (with config and tokenizer) from a checkpoint of either format;
-    from an adapter checkpoint (policy.peft) an HF PEFT adapter directory over the base it was
-    trained on, or with `merged` that base with the adapters merged in. The policy is rebuilt as
-    the run had it (its saved config), loads the checkpoint and writes through the bridge; no
-    offline converter."""
-    cfg = to_typed(OmegaConf.load(checkpoint_dir / "config.yaml"))
-    base = recorded_base(checkpoint_dir / "policy")
-    if merged and base is None:
-        raise ConfigError(f"--merged: {checkpoint_dir} holds every weight of the policy (it was trained without "
-                          f"policy.peft), so there are no adapters to merge; convert it without --merged")
-    model_dir = resolve_model_dir(cfg) if base is None else Path(base)
-    check_base(checkpoint_dir / "policy", str(model_dir), base is not None, "rlkit convert")
-    workers = start_workers(cfg, str(model_dir), with_generation=False)
-    try:
-        workers.policy.load_checkpoint(str(checkpoint_dir), cfg.checkpoint.save_format)
-        if base is None or merged:
-            workers.policy.save_hf(str(out_dir))
-        else:
-            workers.policy.save_peft_adapter(str(out_dir))
-    finally:
-        workers.shutdown(failed=_failing())
-    return out_dir
 
 
 def _failing() -> bool:

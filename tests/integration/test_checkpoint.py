@@ -26,7 +26,7 @@ from rlkit.cli import main
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.launch.config import load_config
-from rlkit.launch.run import export_hf, train
+from rlkit.launch.run import train
 
 pytestmark = pytest.mark.integration
 RUN = ["algorithm.num_steps=6", "checkpoint.every=2", "algorithm.val_every=3", "algorithm.prompts_per_step=8",
@@ -172,7 +172,9 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
     assert main(["convert", str(last), str(killed / "adapter")]) == 0
     assert main(["convert", "--merged", str(last), str(killed / "merged")]) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("HF ")]  # not the workers' logs
-    assert said == [f"HF PEFT adapter written to {killed / 'adapter'}", f"HF checkpoint written to {killed / 'merged'}"]
+    assert [re.sub(r" \(\d+ files, [\d.]+ MB\)$", "", line) for line in said] == [
+        f"HF PEFT adapter written to {killed / 'adapter'}",
+        f"HF checkpoint (the base with the adapters merged in) written to {killed / 'merged'}"]
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), killed / "adapter").eval()
         converted = {"adapter": peft_model(tokens).logits,
@@ -234,14 +236,33 @@ def test_distributed_optimizer_resumes_exactly(model_workers, make_cfg, tiny_qwe
 
 
 @pytest.mark.parametrize("save_format", ["dist", "hf"])
-def test_convert_exports_hf_weights(warm_pool, make_cfg, tmp_path, save_format):
-    """`rlkit convert`'s export (the command itself runs in the LoRA test above) from either format."""
+def test_convert_exports_hf_weights(warm_pool, make_cfg, tmp_path, save_format, capsys):
+    """`rlkit convert` (the CLI's main, in this process) from either format, into a new folder,
+    saying what it wrote; into a folder holding a user's files it refuses in one line, before any
+    worker starts, and leaves the files as they were."""
     cfg, resolved = make_cfg("algorithm.num_steps=1", "algorithm.prompts_per_step=8",
                              "policy.train_global_batch_size=64", f"checkpoint.save_format={save_format}",
                              f"run.output_dir={tmp_path}")
     train(cfg, resolved, pool=warm_pool)
     checkpoint = tmp_path / "grpo_tiny_cpu" / "checkpoints" / "step_000001"
-    out = export_hf(checkpoint, tmp_path / "exported")
+    users = tmp_path / "users"
+    users.mkdir()
+    mine = {"config.json": '{"mine": true}', "adapter_config.json": "{}"}  # an old adapter's
+    for name, text in mine.items():
+        (users / name).write_text(text)
+    capsys.readouterr()
+    assert main(["convert", str(checkpoint), str(users)]) == 2
+    refusal = capsys.readouterr().err
+    assert re.fullmatch(rf"rlkit: config error: rlkit convert: the output {re.escape(str(users))} already holds files "
+                        rf"\(adapter_config.json, config.json\); .*\n", refusal), refusal
+    assert {p.name: p.read_text() for p in users.iterdir()} == mine
+    out = tmp_path / "exported"
+    assert main(["convert", str(checkpoint), str(out)]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("HF ")]  # not the workers' logs
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert said == [f"HF checkpoint written to {out} ({len(files)} files, "
+                    f"{sum(p.stat().st_size for p in files) / 1e6:.1f} MB)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "grpo_tiny_cpu", "users"]  # nothing partial
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
 
