@@ -86,18 +86,22 @@ def _pretrained(args) -> int:
     return 0
 
 
+# Hydra's own scripts take --config-path: the same directory here
+RECIPES_HELP = "directory of recipes (--config-path: the same)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlkit")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run a recipe",
                                 epilog=f"recipes in {RECIPES_DIR}: {', '.join(recipe_names())}")
     train.add_argument("--config-name", required=True, help="recipe name (a YAML file in --config-dir)")
-    train.add_argument("--config-dir", default=str(RECIPES_DIR), help="directory of recipes")
+    train.add_argument("--config-dir", "--config-path", default=str(RECIPES_DIR), help=RECIPES_HELP)
     train.add_argument("--cfg", choices=["job"], help="print the resolved config and exit")
     train.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. policy.tensor_parallel_size=2")
     verify = commands.add_parser("verify-refit", help="refit once and compare train vs generation logprobs")
     verify.add_argument("--config-name", required=True, help="recipe name (a YAML file in --config-dir)")
-    verify.add_argument("--config-dir", default=str(RECIPES_DIR), help="directory of recipes")
+    verify.add_argument("--config-dir", "--config-path", default=str(RECIPES_DIR), help=RECIPES_HELP)
     verify.add_argument("--num-prompts", type=int, default=64, help="held-out prompts to sample")
     verify.add_argument("overrides", nargs="*", help="Hydra overrides")
     env = commands.add_parser("env", help="work on environments").add_subparsers(dest="env_command", required=True)

@@ -40,8 +40,9 @@ def megatron_target_modules(target_modules: list[str]) -> list[str]:
     return targets
 
 
-def check_peft(peft: PeftConfig | None, bridge: str) -> None:
-    """policy.peft against its own ranges and policy.bridge: one ConfigError naming the key."""
+def check_peft(peft: PeftConfig | None, bridge: str, hidden_size: int = 0) -> None:
+    """policy.peft against its own ranges, policy.bridge and the model's hidden size (0: unknown):
+    one ConfigError naming the key."""
     if peft is None:
         return
     if bridge != "megatron_bridge":
@@ -51,11 +52,52 @@ def check_peft(peft: PeftConfig | None, bridge: str) -> None:
         raise ConfigError(f"policy.peft.type: must be one of {list(PEFT_TYPES)} (got: {peft.type!r}); pick one of those")
     if peft.rank < 1:
         raise ConfigError(f"policy.peft.rank: must be >= 1 (got: {peft.rank}); e.g. 8")
+    if hidden_size and peft.rank >= hidden_size:
+        # an update B @ A has rank at most the layer's width, so a rank past it adds no capacity,
+        # only parameters: rank x (in + out) per layer, more than the weights it adapts
+        raise ConfigError(f"policy.peft.rank: must be below the model's hidden size {hidden_size} (got: {peft.rank}): "
+                          f"past it the adapters learn nothing more and hold more parameters than the weights they "
+                          f"adapt; use a rank well below {hidden_size} (8 to 64 is usual), or policy.peft=null to "
+                          f"train every weight")
     if peft.alpha <= 0:
         raise ConfigError(f"policy.peft.alpha: must be > 0 (got: {peft.alpha}); e.g. twice policy.peft.rank")
     if not 0 <= peft.dropout < 1:
         raise ConfigError(f"policy.peft.dropout: must lie in [0, 1) (got: {peft.dropout}); e.g. 0.0")
     megatron_target_modules(peft.target_modules)
+
+
+def check_init_from(peft: PeftConfig | None) -> None:
+    """policy.peft.init_from: a policy.peft run's checkpoint whose adapters have this run's shape,
+    read from the config it was saved with. Another rank failed as a shape traceback once workers
+    had started; other target modules quietly left out the adapters this run does not name."""
+    if peft is None or peft.init_from is None:
+        return
+    checkpoint = Path(peft.init_from)
+    saved_file = checkpoint / "config.yaml"
+    missing = next((name for name, there in [("policy/ folder", (checkpoint / "policy").is_dir()),
+                                             ("config.yaml", saved_file.is_file())] if not there), None)
+    if missing:
+        raise ConfigError(f"policy.peft.init_from: {peft.init_from} is not a checkpoint (no {missing} in it); give "
+                          f"a policy.peft run's .../checkpoints/step_N, or null")
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.select(OmegaConf.load(saved_file), "policy.peft")
+    if saved is None:
+        raise ConfigError(f"policy.peft.init_from: {peft.init_from} holds every weight (saved without policy.peft), "
+                          f"not adapters; give a policy.peft run's checkpoint, or start from its weights with "
+                          f"policy.model_path (after rlkit convert)")
+    for key, before, now in [("rank", saved.rank, peft.rank),
+                             ("target_modules", _as_override(saved.target_modules), _as_override(peft.target_modules))]:
+        if before != now:
+            raise ConfigError(f"policy.peft.{key}: the adapters in policy.peft.init_from={peft.init_from} were saved "
+                              f"with policy.peft.{key}={before} and this run asks for {now}; they load only into "
+                              f"adapters of the same shape: set policy.peft.{key}={before}, or policy.peft.init_from="
+                              f"null to start new adapters")
+
+
+def _as_override(names) -> str:
+    """A list of module names as an override writes it: [k_proj,q_proj,v_proj]."""
+    return f"[{','.join(sorted(names))}]"
 
 
 def write_hf_peft_adapter(out_dir: str, adapters: dict, peft: PeftConfig, base_model: str) -> None:

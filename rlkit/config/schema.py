@@ -2,6 +2,7 @@
 schema only fixes names and types, so unknown keys and wrong types fail at load time. Each
 algorithm's own section is declared by its module (rlkit/algorithms/registry.py)."""
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -11,6 +12,14 @@ from omegaconf import MISSING
 
 class ConfigError(ValueError):
     """One line naming the config key (or file) at fault and how to fix it."""
+
+
+def check_seconds(*durations: tuple[str, float, float]) -> None:
+    """(key, seconds, a usual value): each a finite number of seconds > 0. A negative or zero one
+    was accepted and ended the wait at once, nan never ended it, inf overflows a timer."""
+    for key, seconds, usual in durations:
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigError(f"{key}: must be a finite number of seconds > 0 (got: {seconds}); e.g. {usual}")
 
 
 @dataclass
@@ -32,6 +41,11 @@ class ClusterConfig:
         key, address = ("cluster.address", self.address) if self.address else ("RAY_ADDRESS",
                                                                                os.environ.get("RAY_ADDRESS"))
         return (key, address) if address and address != "local" else None
+
+    def check_timeouts(self) -> None:
+        check_seconds(("cluster.connect_timeout_s", self.connect_timeout_s, 30),
+                      ("cluster.call_timeout_s", self.call_timeout_s, 600),
+                      ("cluster.collective_timeout_s", self.collective_timeout_s, 600))
 
 
 @dataclass
@@ -220,6 +234,9 @@ class CheckpointConfig:
     resume: str = MISSING
     dir: Optional[str] = MISSING
     interrupt_grace_s: float = MISSING
+
+    def check_timeouts(self) -> None:
+        check_seconds(("checkpoint.interrupt_grace_s", self.interrupt_grace_s, 300))
 
 
 @dataclass

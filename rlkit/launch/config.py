@@ -23,9 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from rlkit.algorithms.lr_schedule import SCHEDULES, check_learning_rate
-from rlkit.algorithms.registry import load_algorithm
+from rlkit.algorithms.registry import check_finite, load_algorithm
 from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports
-from rlkit.bridge.adapters import check_peft
+from rlkit.bridge.adapters import check_init_from, check_peft
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
 from rlkit.config.choices import BROADCAST_GROUPS, FLOWS, OFFLOAD_MODES, PEFT_MODES, TOOL_PROMPTS, TRANSPORTS
@@ -167,18 +167,19 @@ def _choice(key: str, value, choices):
 
 class ModelShape(NamedTuple):
     """What the parallel layout must divide: attention heads, key/value heads, routed experts (0: dense),
-    transformer layers (0: config.json does not say)."""
+    transformer layers (0: config.json does not say); and the hidden size LoRA's rank stays below (0: unknown)."""
     heads: int
     kv_heads: int
     experts: int
     layers: int
+    hidden: int = 0
 
 
-def _model_shape(model_path: str, tiny_layers: int) -> ModelShape:
+def _model_shape(model_path: str, tiny_layers: int, tiny_hidden: int = 0) -> ModelShape:
     """The model's shape from an HF checkpoint's config.json, or from the tiny:// architecture."""
     arch = parse_tiny(model_path)
     if arch:
-        return ModelShape(*TINY_HEADS, TINY_EXPERTS.get(arch, 0), tiny_layers)
+        return ModelShape(*TINY_HEADS, TINY_EXPERTS.get(arch, 0), tiny_layers, tiny_hidden)
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         made_here = "; `rlkit pretrained smollm2-135m-instruct` makes it" if "SmolLM2" in model_path else ""
@@ -189,7 +190,7 @@ def _model_shape(model_path: str, tiny_layers: int) -> ModelShape:
         # Qwen-MoE and DeepSeek write num_experts / n_routed_experts; Mixtral and transformers 5 num_local_experts
         experts = next((hf[key] for key in ("num_experts", "num_local_experts", "n_routed_experts") if key in hf), 0)
         return ModelShape(hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"]), experts,
-                          hf.get("num_hidden_layers", 0))
+                          hf.get("num_hidden_layers", 0), hf.get("hidden_size", 0))
     except (json.JSONDecodeError, KeyError) as e:
         raise ConfigError(f"policy.model_path: {config_file} is not a usable HF config ({type(e).__name__}: {e}); "
                           f"point policy.model_path at a complete HF checkpoint directory") from None
@@ -252,8 +253,9 @@ def validate(cfg: RootConfig) -> None:
         raise ConfigError(f"policy.train_global_batch_size: must be divisible by DP ({dp}) x "
                           f"policy.micro_batch_size ({p.micro_batch_size}) = {dp * p.micro_batch_size} "
                           f"(got: {p.train_global_batch_size}); set it to a multiple of {dp * p.micro_batch_size}")
+    check_finite("algorithm", a)
     algorithm.validate(cfg, dp)
-    shape = _model_shape(p.model_path, p.tiny_model.num_layers)
+    shape = _model_shape(p.model_path, p.tiny_model.num_layers, p.tiny_model.hidden_size)
     for name, count in [("attention heads", shape.heads), ("key/value heads", shape.kv_heads)]:
         if count % p.tensor_parallel_size:
             raise ConfigError(f"policy.tensor_parallel_size: must divide the model's {count} {name} "
@@ -262,10 +264,8 @@ def validate(cfg: RootConfig) -> None:
     _validate_virtual_pipeline(p, shape.layers, dp)
     _validate_context_parallel(p, shape.experts)
     _validate_bridge(p)
-    check_peft(p.peft, p.bridge)
-    if p.peft is not None and p.peft.init_from is not None and not (Path(p.peft.init_from) / "policy").is_dir():
-        raise ConfigError(f"policy.peft.init_from: {p.peft.init_from} is not a checkpoint (no policy/ folder in it); "
-                          f"give a policy.peft run's .../checkpoints/step_N, or null")
+    check_peft(p.peft, p.bridge, shape.hidden)
+    check_init_from(p.peft)
     if algorithm.rollouts:
         _validate_rollout_transport(cfg)
         _validate_adapter_refit(cfg)
@@ -281,6 +281,8 @@ def validate(cfg: RootConfig) -> None:
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
         raise ConfigError(f"checkpoint.every / checkpoint.keep_last: must be >= 0 (got: {cfg.checkpoint.every}, "
                           f"{cfg.checkpoint.keep_last}); 0 means only at the end / keep all")
+    cfg.cluster.check_timeouts()
+    cfg.checkpoint.check_timeouts()
     if cfg.checkpoint.resume not in ("auto", "none"):
         named_checkpoint(cfg.checkpoint.resume)
     if algorithm.rollouts:
@@ -460,7 +462,8 @@ def _validate_rollout_transport(cfg: RootConfig) -> None:
                               f"(got: {cfg.refit.transport!r}); use refit=cuda_ipc (colocated) or refit=nccl")
         _validate_engine_parallel(cfg)
     elif cfg.refit.transport in gpu_transports:
-        raise ConfigError(f"refit.transport: {cfg.refit.transport!r} needs generation.backend=vllm; use refit=cpu")
+        raise ConfigError(f"refit.transport: {cfg.refit.transport!r} needs generation.backend=vllm (vLLM engines on "
+                          f"NVIDIA GPUs); with generation.backend=hf (CPU machines) use refit=cpu")
     engine_gpus = g.vllm.tensor_parallel_size if g.backend == "vllm" else 1
     if cfg.refit.transport == "cuda_ipc" and (cfg.cluster.placement != "colocated"
                                               or g.num_workers * engine_gpus != p.num_workers):

@@ -3,11 +3,14 @@
 A run that cannot work is a ConfigError; one that looks pointless but may be meant is a warning
 in its first lines. With the config (check_config, the last step of validation): each split comes
 from where the run says and is the run's own, generated data must not land on a user's file,
-async rollouts must ever see new weights, the learning rate should get out of its warmup. On resume (check_resumed_schedule): an async run keeps its schedule. Once
-the prompts are loaded (check_prompts): every row holds what the environment reads, and a correct
-answer fits the token budget.
+async rollouts must ever see new weights, the learning rate should get out of its warmup. Before
+Ray starts (check_generation_backend): vLLM is there to run the engines. On resume
+(check_resumed_schedule): an async run keeps its schedule. Once the prompts are loaded
+(check_prompts): every row holds what the environment reads, and a correct answer fits the token
+budget.
 """
 
+import importlib.util
 import inspect
 import logging
 from pathlib import Path
@@ -98,6 +101,19 @@ def _warn_long_warmup(cfg: RootConfig, rollouts: bool) -> None:
         log.warning("policy.optimizer.warmup_steps=%d is longer than the run's %d optimizer steps (%s): the learning "
                     "rate never gets past %d/%d of policy.optimizer.lr=%g; lower warmup_steps well below %d, or "
                     "raise algorithm.num_steps", o.warmup_steps, total, count, total, o.warmup_steps, o.lr, total)
+
+
+def check_generation_backend(cfg: RootConfig) -> None:
+    """Before Ray starts: generation.backend=vllm needs vLLM where the run starts its engines (a
+    run joining a cluster starts them on its machines). Without it, the run used to fail once its
+    workers had started, in a 153-line traceback ending in No module named 'vllm'."""
+    g = cfg.generation
+    if g is None or g.backend != "vllm" or cfg.cluster.address_to_join() is not None:
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("generation.backend: vllm is not installed on this machine (no module 'vllm'); its engines "
+                          "run on NVIDIA GPUs: on a CPU machine use generation=hf refit=cpu, on a GPU machine pip "
+                          "install vllm")
 
 
 def check_resumed_schedule(cfg: RootConfig, saved: DictConfig, checkpoint_dir: Path) -> None:

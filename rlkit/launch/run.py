@@ -22,7 +22,7 @@ from rlkit.data.batch import rollout_batch
 from rlkit.data.generation import SamplingParams
 from rlkit.data.stream import ShuffledStream
 from rlkit.launch.interrupts import stop_on_signals
-from rlkit.launch.preflight import check_prompts, check_resumed_schedule
+from rlkit.launch.preflight import check_generation_backend, check_prompts, check_resumed_schedule
 from rlkit.models.resolve import resolve_model_dir
 from rlkit.models.tokenizer import load_tokenizer
 from rlkit.observability.logprob_agreement import logprob_error
@@ -41,6 +41,7 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
     runs of this process (CPU), instead of new ones."""
     clock = clock or StartupClock()
     algorithm = load_algorithm(cfg.algorithm.name)
+    check_generation_backend(cfg)
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir)
     resume_from = checkpoints.to_resume()
