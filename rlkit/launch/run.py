@@ -140,7 +140,8 @@ def verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
     held-out prompts and compare the sampler's logprobs with the policy's on the same tokens."""
     model_dir = resolve_model_dir(cfg)
     tokenizer = load_tokenizer(model_dir)
-    val_set = load_algorithm(cfg.algorithm.name).load_data(cfg, tokenizer).val
+    data = load_algorithm(cfg.algorithm.name).load_data(cfg, tokenizer)
+    val_set = data.val or data.train  # the training prompts where data.val_path=null
     workers = start_workers(cfg, str(model_dir))
     try:
         workers.policy.set_temperature(cfg.generation.temperature or 1.0)
