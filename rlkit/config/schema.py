@@ -226,12 +226,14 @@ DATASETS = {"prompts": PromptDataConfig, "sft_files": SFTDataConfig, "preference
 
 @dataclass
 class CheckpointConfig:
-    enabled: bool = True  # the one default here: checkpoints saved before the key existed load as they were
+    enabled: bool = True  # a default here: checkpoints saved before the key existed load as they were
     every: int = MISSING
     save_format: str = MISSING
     background: bool = MISSING
     keep_last: int = MISSING
     resume: str = MISSING
+    # rlkit/launch/resume_drift.py; a default here for the reason enabled has one
+    resume_with_changes: bool = False
     dir: Optional[str] = MISSING
     interrupt_grace_s: float = MISSING
 

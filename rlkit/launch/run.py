@@ -23,6 +23,7 @@ from rlkit.data.generation import SamplingParams
 from rlkit.data.stream import ShuffledStream
 from rlkit.launch.interrupts import stop_on_signals
 from rlkit.launch.preflight import check_generation_backend, check_prompts, check_resumed_schedule
+from rlkit.launch.resume_drift import check_resume_drift
 from rlkit.models.resolve import resolve_model_dir
 from rlkit.models.tokenizer import load_tokenizer
 from rlkit.observability.logprob_agreement import logprob_error
@@ -46,18 +47,23 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir)
     resume_from = checkpoints.to_resume()
     state_step = CheckpointManager.controller_state(resume_from)["step"] if resume_from else None
+    changed = ""
+    if resume_from is not None:
+        saved = OmegaConf.load(resume_from / "config.yaml")
+        check_expert_layout(cfg, saved, resume_from)
+        check_resumed_schedule(cfg, saved, resume_from)
+        changed = check_resume_drift(cfg, resolved, saved, resume_from, state_step)
     if state_step is not None and state_step >= cfg.algorithm.num_steps:
         # an async run's schedule is fixed by its num_steps (check_resumed_schedule): it cannot train on
         train_on = "" if algorithm.rollouts and cfg.algorithm.max_staleness else \
             "raise algorithm.num_steps to train on, or "
         log.info("%s already finished: its checkpoint %s is at step %d of algorithm.num_steps=%d, so there is "
-                 "nothing to do (%sset run.name for a new run)",
-                 cfg.run.name, resume_from, state_step, cfg.algorithm.num_steps, train_on)
+                 "nothing to do (%sset run.name for a new run)%s",
+                 cfg.run.name, resume_from, state_step, cfg.algorithm.num_steps, train_on,
+                 f"; these settings changed since are not used: {changed}" if changed else "")
         return RunResult(read_history(run_dir, state_step), run_dir)
-    if resume_from is not None:
-        saved = OmegaConf.load(resume_from / "config.yaml")
-        check_expert_layout(cfg, saved, resume_from)
-        check_resumed_schedule(cfg, saved, resume_from)
+    if changed:
+        log.info("settings changed since %s: %s", resume_from, changed)
     # the tokenizer and data load while Ray starts (on a GPU machine each takes 5-9 s); Ray's own
     # processes die with the thread that started them, so Ray starts on this one
     with ThreadPoolExecutor(1, thread_name_prefix="rlkit-data") as executor:

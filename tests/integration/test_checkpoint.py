@@ -24,6 +24,7 @@ from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.checkpoint import MANIFEST, CheckpointManager
 from rlkit.cli import main
 from rlkit.cluster.worker_group import WorkerError
+from rlkit.config.schema import ConfigError
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.launch.config import load_config
 from rlkit.launch.run import train
@@ -311,8 +312,13 @@ def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_
     assert any(name.startswith("policy/") for name in json.loads((newest / MANIFEST).read_text())["files"])
     os.remove(newest / "rng" / "policy_rank_0.pt")
     assert checkpoints.to_resume() == before
-    # and a finished run says so without starting anything
-    cfg, resolved = make_cfg("algorithm.num_steps=4", f"run.output_dir={tmp_path}")
+    # a finished run given other training settings refuses them, naming each; given its own (and
+    # fewer steps) it says it is finished, without starting anything
+    with pytest.raises(ConfigError, match=r"policy\.train_global_batch_size: 64 -> 256, algorithm\.prompts_per_step: "
+                                          r"8 -> 64; set another run\.name"):
+        train(*make_cfg("algorithm.num_steps=4", f"run.output_dir={tmp_path}"))
+    cfg, resolved = make_cfg("algorithm.num_steps=4", "algorithm.prompts_per_step=8", "policy.train_global_batch_size=64",
+                             f"run.output_dir={tmp_path}")
     start = time.monotonic()
     assert [m["step"] for m in train(cfg, resolved).history] == list(range(5))
     assert time.monotonic() - start < 5
