@@ -49,7 +49,7 @@ def _check_data_paths(cfg: RootConfig) -> None:
     if d.val_path is None:
         log.info("data.val_path=null: validation is skipped (before training, every algorithm.val_every steps and at "
                  "the last step)")
-    elif d.val_path == d.train_path and (d.synthetic is not None or is_local(d.train_path)):
+    elif d.val_path == d.train_path and (d.synthetic is not None or _is_file(d.train_path)):
         overwrite = ", and the generated validation rows would overwrite the training rows" if d.synthetic else ""
         raise ConfigError(f"data.val_path: is data.train_path ({d.train_path}), so validation would score the "
                           f"training rows{overwrite}; give a separate validation file, or data.val_path=null to skip "
@@ -73,6 +73,11 @@ def _check_data_paths(cfg: RootConfig) -> None:
     if d.val_path is not None and is_local(d.train_path) and not is_local(d.val_path):
         raise ConfigError(f"data.val_path: {d.val_path} is a hub dataset, while data.train_path is the local "
                           f"{d.train_path}; set data.val_path to a local validation file, or null to skip validation")
+
+
+def _is_file(source: str) -> bool:
+    """A local file, read whole: not a hub dataset or a dataset folder, which have a split each."""
+    return is_local(source) and not Path(source).expanduser().is_dir()
 
 
 def _check_generated_data(cfg: RootConfig) -> None:

@@ -120,6 +120,9 @@ def test_one_file_for_both_splits_is_refused(tmp_path, dirs, recipe):
     assert load_error(recipe, mine_twice).startswith(f"data.val_path: is data.train_path ({mine}), so validation "
                                                      f"would score the training rows; give a separate")
     load_config(recipe, [*mine_twice, "data.val_path=null"])
+    folder = tmp_path / "dataset"  # a dataset folder: its train and test splits, from one path
+    folder.mkdir()
+    load_config(recipe, [*dirs, f"data.train_path={folder}", f"data.val_path={folder}", "data.synthetic=null"])
 
 
 @pytest.mark.parametrize("recipe", list(USER_ROWS))
