@@ -14,9 +14,7 @@ import those inside the functions that run them. rlkit's help texts and config e
 answer in well under a second (benchmarks/cli_latency.py, tests/unit/test_cli_startup.py).
 """
 
-import dataclasses
 import importlib
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,19 +37,6 @@ class AlgorithmConfig:
 
 def no_checks(cfg: RootConfig, dp: int) -> None:
     pass
-
-
-def check_finite(section: str, config) -> None:
-    """Every number of an algorithm's config (nested sections too) is finite: nan passes every
-    range check (nan < 0 is false) and acts as 0, and an inf coefficient makes the loss NaN, which
-    refit hands to generation before the next step fails."""
-    for name, value in vars(config).items():
-        key = f"{section}.{name}"
-        if dataclasses.is_dataclass(value):
-            check_finite(key, value)
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key}: must be a finite number (got: {value}); give a number in its range, e.g. the "
-                              f"recipe's value (rlkit train --config-name <recipe> --cfg job shows it)")
 
 
 @dataclass(frozen=True)

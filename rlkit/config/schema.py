@@ -2,6 +2,7 @@
 schema only fixes names and types, so unknown keys and wrong types fail at load time. Each
 algorithm's own section is declared by its module (rlkit/algorithms/registry.py)."""
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -12,6 +13,19 @@ from omegaconf import MISSING
 
 class ConfigError(ValueError):
     """One line naming the config key (or file) at fault and how to fix it."""
+
+
+def check_finite(section: str, config) -> None:
+    """Every number of a config section (nested sections too; None: no section) is finite: nan
+    passes every range check (nan < 0 is false) and acts as 0, and an inf loss coefficient makes
+    the loss NaN, which refit hands to generation before the next step fails."""
+    for name, value in (vars(config) if config is not None else {}).items():
+        key = f"{section}.{name}"
+        if dataclasses.is_dataclass(value):
+            check_finite(key, value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number (got: {value}); give a number in its range, e.g. the "
+                              f"recipe's value (rlkit train --config-name <recipe> --cfg job shows it)")
 
 
 def check_seconds(*durations: tuple[str, float, float]) -> None:

@@ -23,13 +23,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from rlkit.algorithms.lr_schedule import SCHEDULES, check_learning_rate
-from rlkit.algorithms.registry import check_finite, load_algorithm
+from rlkit.algorithms.registry import load_algorithm
 from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports
 from rlkit.bridge.adapters import check_init_from, check_peft
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
 from rlkit.config.choices import BROADCAST_GROUPS, FLOWS, OFFLOAD_MODES, PEFT_MODES, TOOL_PROMPTS, TRANSPORTS
-from rlkit.config.schema import DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig
+from rlkit.config.schema import (DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig,
+                                 check_finite)
 from rlkit.envs.base import check_environment_config
 from rlkit.launch.preflight import check_config
 from rlkit.models.tiny import ARCHITECTURES, TINY_EXPERTS, TINY_HEADS, parse_tiny
@@ -253,7 +254,8 @@ def validate(cfg: RootConfig) -> None:
         raise ConfigError(f"policy.train_global_batch_size: must be divisible by DP ({dp}) x "
                           f"policy.micro_batch_size ({p.micro_batch_size}) = {dp * p.micro_batch_size} "
                           f"(got: {p.train_global_batch_size}); set it to a multiple of {dp * p.micro_batch_size}")
-    check_finite("algorithm", a)
+    for section in ("algorithm", "policy", "generation", "refit"):
+        check_finite(section, getattr(cfg, section))
     algorithm.validate(cfg, dp)
     shape = _model_shape(p.model_path, p.tiny_model.num_layers, p.tiny_model.hidden_size)
     for name, count in [("attention heads", shape.heads), ("key/value heads", shape.kv_heads)]:

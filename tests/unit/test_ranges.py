@@ -44,6 +44,14 @@ def test_a_loss_coefficient_must_be_finite(dirs, recipe, key, value):
     load_config(recipe, [*dirs, f"{key}=0.1"])
 
 
+@pytest.mark.parametrize("recipe, key", [(LORA, "policy.peft.alpha"), ("grpo_tiny_cpu", "policy.optimizer.weight_decay"),
+                                         ("grpo_tiny_cpu", "generation.temperature"), ("grpo_tiny_cpu", "refit.bucket_mb")])
+def test_every_other_number_is_finite_too(dirs, recipe, key):
+    """nan passed their range checks (nan <= 0 is false)."""
+    message = load_error(recipe, [*dirs, f"{key}=nan"])
+    assert message.startswith(f"{key}: must be a finite number (got: nan)")
+
+
 # ---- timeouts: finite seconds > 0 ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("key, usual", [("checkpoint.interrupt_grace_s", 300), ("cluster.connect_timeout_s", 30),
