@@ -75,6 +75,19 @@ def _convert(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from rlkit.launch.evaluate import evaluate, plan_eval, write_report
+    from rlkit.observability.evaluation import report_table
+
+    plan = plan_eval(args.model, args.config_name, args.overrides, args.n, args.k, args.data, args.out,
+                     Path(args.config_dir))
+    report = evaluate(plan)
+    write_report(report, plan.out)
+    print(report_table(report))
+    print(f"report: {plan.out}")
+    return 0
+
+
 def _pretrained(args) -> int:
     from rlkit.models.pretrained import MaterializeError, smollm2_135m_instruct
 
@@ -118,10 +131,27 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("out", help="a new (or empty) directory for the HF checkpoint or adapter")
     convert.add_argument("--merged", action="store_true",
                          help="policy.peft runs: the base with the adapters merged in, instead of the adapter")
+    evaluation = commands.add_parser("eval", help="score a model or checkpoint on held-out prompts: greedy accuracy, "
+                                                  "pass@k, mean reward, response length")
+    evaluation.add_argument("model", help="an HF model directory or a checkpoint (.../checkpoints/step_NNNNNN)")
+    evaluation.add_argument("--config-name", help="recipe for data, env and generation (a checkpoint's own run "
+                                                  "config by default; required for an HF model)")
+    evaluation.add_argument("--config-dir", default=str(RECIPES_DIR), help="directory of recipes")
+    evaluation.add_argument("--data", help="a .jsonl/.json/.parquet file of rows to score instead of the data "
+                                           "section's validation split")
+    evaluation.add_argument("--n", type=int, help="samples per prompt for pass@k (default: greedy only)")
+    evaluation.add_argument("--k", help="comma-separated k for pass@k, each <= --n (default: 1,n)")
+    evaluation.add_argument("--out", help="JSON report path, new (default: <model>.eval.json beside the model)")
+    evaluation.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data=gsm8k env._target_=my_env.MyEnv")
     pretrained = commands.add_parser("pretrained", help="materialize a pretrained model into the cache, print its path")
     pretrained.add_argument("model", choices=["smollm2-135m-instruct"], help="which model")
     pretrained.add_argument("--cache-dir", default=".rlkit_cache", help="cache directory (a recipe's run.cache_dir)")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    # argparse leaves `rlkit eval MODEL --n 8 key=value`'s overrides after an option unparsed
+    if rest and (args.command != "eval" or any(word.startswith("-") for word in rest)):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:
+        args.overrides += rest
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if not (sys.stdout.isatty() and sys.stderr.isatty()):
         # a log file: Ray colours the "[repeated Nx across cluster]" it puts in place of the lines
@@ -131,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
         commands = {"train": _train, "verify-refit": _verify_refit, "env": _env_check, "convert": _convert,
-                    "pretrained": _pretrained}
+                    "eval": _eval, "pretrained": _pretrained}
         return commands[args.command](args)
     except ConfigError as e:
         print(f"rlkit: config error: {e}", file=sys.stderr)
