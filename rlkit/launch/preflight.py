@@ -61,15 +61,15 @@ def _check_data_paths(cfg: RootConfig) -> None:
     for key, path in [("data.train_path", d.train_path), ("data.val_path", d.val_path)]:
         if path is None:
             continue
-        missing = missing_file(path)
-        if missing:
-            raise ConfigError(f"{key}: {missing}")
         if is_local(path) and Path(path).expanduser().resolve().is_relative_to(cache):
             # a recipe's default path of a generated set: another run's, with whatever it generated
             raise ConfigError(f"{key}: {path} lies in run.cache_dir ({cfg.run.cache_dir}), where runs with "
                               f"data.synthetic write their generated sets, and this run generates none "
                               f"(data.synthetic=null); give your own file"
                               + (", or data.val_path=null to skip validation" if key == "data.val_path" else ""))
+        missing = missing_file(path)
+        if missing:
+            raise ConfigError(f"{key}: {missing}")
     if d.val_path is not None and is_local(d.train_path) and not is_local(d.val_path):
         raise ConfigError(f"data.val_path: {d.val_path} is a hub dataset, while data.train_path is the local "
                           f"{d.train_path}; set data.val_path to a local validation file, or null to skip validation")

@@ -138,6 +138,9 @@ def test_without_a_generated_set_nothing_is_read_from_the_cache(tmp_path, dirs, 
                        f"with data.synthetic write their generated sets, and this run generates none "
                        f"(data.synthetic=null); give your own file, or data.val_path=null to skip validation")
     load_config(recipe, [*dirs, f"data.train_path={mine}", "data.synthetic=null", "data.val_path=null"])
+    elsewhere = [f"run.cache_dir={tmp_path / 'fresh_cache'}", f"run.output_dir={tmp_path / 'out'}"]
+    assert load_error(recipe, [*elsewhere, f"data.train_path={mine}", "data.synthetic=null"]).startswith(
+        f"data.val_path: {tmp_path / 'fresh_cache'}/data/")  # the same line where no run generated it yet
 
 
 def test_the_generated_set_is_trained_on_as_generated(dirs, tokenizer, monkeypatch):
