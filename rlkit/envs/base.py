@@ -41,14 +41,17 @@ class EnvStep:
     correct: bool | None = None  # optional: counted as train/accuracy
     tool_messages: list[dict] | None = None  # instead of an observation: the results of the model's tool calls
     counts: dict[str, float] | None = None  # added up over the step's episodes into its metrics (e.g. tools/*)
+    # failures of the environment's own code that it answered anyway (a tool that raised or hung), one
+    # line each: env_runner.fail_fast stops the run at the first
+    faults: list[str] | None = None
 
 
 class Environment:
     """Base class for environments. Constructor keyword arguments come from `env.*` config keys.
 
-    Besides `step` (and `setup`, for what is slow to load), three optional class-level
+    Besides `step` (and `setup`, for what is slow to load), four optional class-level
     declarations let a run that cannot work stop before any worker starts: `metadata_fields`,
-    `check_host` and `reference_response`."""
+    `check_host`, `check_arguments` and `reference_response`."""
 
     # the row fields step() reads from metadata: a prompt row without one is an error at load
     metadata_fields: tuple[str, ...] = ()
@@ -57,6 +60,13 @@ class Environment:
     def check_host(cls, **kwargs) -> str | None:
         """Why the environment cannot run on this machine with these constructor arguments (every
         one, defaults filled in), or None; checked with the config, before any worker starts."""
+        return None
+
+    @classmethod
+    def check_arguments(cls, **kwargs) -> str | None:
+        """What is wrong with these constructor arguments (every one, defaults filled in) beyond
+        their types: a value out of its range, a tool that cannot be offered. One line naming the
+        env key and the fix, or None; checked with the config, before any worker starts."""
         return None
 
     @staticmethod
@@ -153,8 +163,11 @@ def check_environment_config(target: str, kwargs: dict) -> str | None:
             return (f"env.{key}: {target} takes {annotation} (got: {value!r:.100}, of type {type(value).__name__}); "
                     f"give a value of that type")
         defaults = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
-        problem = obj.check_host(**{**defaults, **kwargs})
-        return f"env._target_: {target} cannot run on this machine: {problem}" if problem else None
+        arguments = {**defaults, **kwargs}
+        problem = obj.check_host(**arguments)
+        if problem:
+            return f"env._target_: {target} cannot run on this machine: {problem}"
+        return obj.check_arguments(**arguments)
     if callable(obj) and not inspect.isclass(obj):
         if kwargs:
             return f"env.{sorted(kwargs)[0]}: {target} is a scoring function and takes no config keys"

@@ -3,7 +3,7 @@
 import re
 
 from rlkit.envs.base import EnvStep, Environment
-from rlkit.envs.sandbox import SandboxLimits, SandboxUnavailable, check_sandbox, run_python
+from rlkit.envs.sandbox import SandboxLimits, SandboxUnavailable, check_sandbox, limits_problem, run_python
 
 _FENCED = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
 
@@ -29,6 +29,11 @@ class CodeExecutionEnv(Environment):
         except SandboxUnavailable as e:
             return str(e)
         return None
+
+    @classmethod
+    def check_arguments(cls, *, wall_s, cpu_s, memory_mb, processes, **_) -> str | None:
+        problem = limits_problem(SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, processes=processes))
+        return f"env.{problem}" if problem else None
 
     def __init__(self, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512, processes: int = 32,
                  allow_weak_sandbox: bool = False):

@@ -2,9 +2,11 @@
 
 An exception, a timeout or a malformed return in user code becomes a recorded failure for that
 sample (reward = env_runner.failure_reward), never a crashed or hung run. With
-env_runner.fail_fast the first failure is raised instead. Each worker's environment steps one
-call at a time: a batch of calls is spread over the workers (EnvironmentPool.step), single calls
-of independent trajectories each take a free worker (ConcurrentSteps).
+env_runner.fail_fast the first failure is raised instead, and so is the first fault an
+environment answered anyway (EnvStep.faults: a tool that raised or hung), in one line. Each
+worker's environment steps one call at a time: a batch of calls is spread over the workers
+(EnvironmentPool.step), single calls of independent trajectories each take a free worker
+(ConcurrentSteps).
 """
 
 import asyncio
@@ -158,6 +160,10 @@ class EnvironmentPool:
 
     def _resolve(self, outcome: StepOutcome) -> Stepped:
         if outcome.step is not None:
+            if self.cfg.fail_fast and outcome.step.faults:
+                raise EnvironmentFailure(f"environment {self.target}: {outcome.step.faults[0]}; env_runner.fail_fast "
+                                         f"is on: fix it, or set env_runner.fail_fast=false to answer such calls "
+                                         f"with an error and count them (tools/*)")
             return Stepped(outcome.step, {}, outcome.seconds)
         if self.cfg.fail_fast:
             raise EnvironmentFailure(f"environment {self.target} failed ({outcome.failure}); "

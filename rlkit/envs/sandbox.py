@@ -61,6 +61,28 @@ class SandboxLimits:
     open_files: int = 64
 
 
+# the least of each limit a program can run under: Python itself needs about 16 MB of address
+# space to start, and any program one process and a moment
+_MINIMUM = {"wall_s": 0.1, "cpu_s": 1, "memory_mb": 32, "max_file_mb": 1, "processes": 1, "open_files": 8}
+
+
+def limits_problem(limits: SandboxLimits) -> str | None:
+    """The first limit out of its range, in one line naming it ('memory_mb: ...'), or None. A limit
+    of 0 or less would fail every program, or (memory_mb=-1) lift the limit altogether."""
+    for name, least in _MINIMUM.items():
+        value = getattr(limits, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < float("inf"):
+            return (f"{name}: must be a finite number >= {least} (got: {value!r}); give the sandbox a real limit "
+                    f"(default {getattr(SandboxLimits, name)})")
+    return None
+
+
+def check_limits(limits: SandboxLimits) -> None:
+    problem = limits_problem(limits)
+    if problem:
+        raise ValueError(f"sandbox limit {problem}")
+
+
 @dataclass(frozen=True)
 class SandboxResult:
     reason: str  # ok | error | timeout | cpu | memory
@@ -75,7 +97,8 @@ class SandboxResult:
 
 def run_python(source: str, limits: SandboxLimits = SandboxLimits(), allow_weak: bool = False) -> SandboxResult:
     """Run `source` as a program in the sandbox. Raises SandboxUnavailable when bubblewrap cannot run
-    here, unless allow_weak lets the weak mode stand in."""
+    here, unless allow_weak lets the weak mode stand in, and ValueError for a limit out of its range."""
+    check_limits(limits)
     weak = check_sandbox(allow_weak)
     return _run(source, limits, bwrap=None if weak else BWRAP)
 

@@ -22,7 +22,8 @@ from rlkit.algorithms.registry import load_algorithm
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.files import foreign_file, is_local, missing_file
 from rlkit.data.synthetic import generated_sets, refused
-from rlkit.envs.base import Environment, import_target
+from rlkit.envs.base import Environment, import_target, load_environment
+from rlkit.envs.tools import ToolEnvironment
 
 if TYPE_CHECKING:  # torch and Ray: check_config runs as a config loads
     from rlkit.algorithms.loop import TrainingData
@@ -156,6 +157,29 @@ def check_prompts(cfg: RootConfig, data: "TrainingData", tokenizer) -> None:
                                   f"the row of prompt {missing[0].messages[-1]['content']!r:.80}); add '{field}' "
                                   f"to every row, or select the environment this data is for")
     _check_answer_budget(cfg, data.train, env, tokenizer)
+    if issubclass(env, ToolEnvironment):
+        _check_tool_call_budget(cfg, env, tokenizer)
+
+
+def _check_tool_call_budget(cfg: RootConfig, env: type[ToolEnvironment], tokenizer) -> None:
+    """A tool call cut off at the token budget is answered with an error (tools/partial), and one
+    the episode has no turn left to follow up is wasted: where no call fits, the model can earn
+    only by answering without tools, so say so in the run's first lines."""
+    g, r = cfg.generation, cfg.env_runner
+    call = load_environment(cfg.env["_target_"], {k: v for k, v in cfg.env.items() if k != "_target_"}) \
+        .shortest_tool_call()
+    if call is not None:
+        tokens = len(tokenizer(call, add_special_tokens=False)["input_ids"])
+        key, budget = min(("generation.max_new_tokens", g.max_new_tokens),
+                          ("env_runner.max_total_tokens", r.max_total_tokens), key=lambda kv: kv[1])
+        if budget < tokens:
+            log.warning("%s: %d tokens cannot hold even the shortest tool call of env._target_=%s (%r: %d tokens): "
+                        "every call is cut off and answered with an error (tools/partial), so only answers without "
+                        "tools can earn a reward; raise %s to at least %d, with room for the answer after it", key,
+                        budget, cfg.env["_target_"], call, tokens, key, tokens)
+    if r.max_turns < 2:
+        log.warning("env_runner.max_turns: %d turn leaves none to answer after a tool call of env._target_=%s, so "
+                    "a call earns nothing; set env_runner.max_turns to at least 2", r.max_turns, cfg.env["_target_"])
 
 
 def _check_answer_budget(cfg: RootConfig, prompts: list, env: type[Environment], tokenizer) -> None:

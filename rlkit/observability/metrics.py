@@ -146,4 +146,18 @@ def console_line(step: int, num_steps: int, m: dict, seconds_per_step: float) ->
                             ("timing/train_tokens_per_s", "train_tok/s", ".0f"), ("timing/step", "time", ".2f")]:
         if key in m:
             parts.append(f"{label} {m[key]:{fmt}}" + ("s" if key == "timing/step" else ""))
+    if m.get("tools/calls"):
+        parts.append(tool_failures(m))
     return " | ".join(parts)
+
+
+# tools/ counts that are not failure kinds (rlkit/envs/tools/toolbox.py FAILURES are the rest)
+_TOOL_TOTALS = ("tools/calls", "tools/returned", "tools/valid_fraction")
+
+
+def tool_failures(m: dict) -> str:
+    """'tool_fail 3/64 (raised 1, timeout 2)': the tool calls that did not return, of all calls, by kind."""
+    kinds = [f"{key.removeprefix('tools/')} {m[key]:.0f}" for key in sorted(m)
+             if key.startswith("tools/") and key not in _TOOL_TOTALS and m[key]]
+    line = f"tool_fail {m['tools/calls'] - m.get('tools/returned', 0):.0f}/{m['tools/calls']:.0f}"
+    return line + (f" ({', '.join(kinds)})" if kinds else "")

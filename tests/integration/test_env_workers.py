@@ -3,9 +3,12 @@ cut off and their worker replaced, multi-turn rollouts mask the environment's to
 README's custom environment runs as documented."""
 
 import asyncio
+import dataclasses
+import json
 import re
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from rlkit.config.schema import EnvRunnerConfig
 from rlkit.envs.runner import EnvironmentPool, EnvironmentFailure
 from rlkit.data.generation import SamplingParams
 from rlkit.data.prompts import PromptRenderer
+from rlkit.observability.metrics import console_line
 
 pytestmark = pytest.mark.integration
 
@@ -97,6 +101,77 @@ def test_fail_fast_raises_with_the_traceback(ray_cluster, faulty_env):
         with pytest.raises(EnvironmentFailure, match="faulty_env.Faulty failed \\(exception\\)") as error:
             envs.step([([{"role": "assistant", "content": "x"}], {"mode": "raise"})])
         assert "ZeroDivisionError: user bug" in str(error.value)
+    finally:
+        envs.shutdown()
+
+
+TOOLS = '''
+import os
+import threading
+from pathlib import Path
+from rlkit.envs.tools import ToolEnvironment
+
+def sleeps_forever(pid_file: str) -> str:
+    """Write down its process id, then never return.
+
+    Args:
+        pid_file: where to write it
+    """
+    Path(pid_file).write_text(str(os.getpid()))
+    threading.Event().wait()
+
+def divide(a: int, b: int) -> float:
+    """Divide.
+
+    Args:
+        a: the dividend
+        b: the divisor
+    """
+    return a / b
+
+class Flaky(ToolEnvironment):
+    tool_timeout_s = 1.0
+
+    def tools(self):
+        return [sleeps_forever, divide]
+
+    def score(self, answer, metadata):
+        return 1.0
+'''
+
+
+def tool_call(name: str, **arguments) -> list[dict]:
+    call = json.dumps({"name": name, "arguments": arguments})
+    return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"}]
+
+
+def test_a_hung_tool_is_stopped_and_counted_and_fail_fast_stops_on_a_tool_that_raises(ray_cluster, tmp_path,
+                                                                                      monkeypatch):
+    """In an environment worker (a Ray actor): a tool that never returns is stopped at
+    tool_timeout_s, its process gone, and the step goes on, the call counted and shown on the
+    step's console line; with env_runner.fail_fast a tool that raises stops the run in one line."""
+    (tmp_path / "tool_env.py").write_text(TOOLS)
+    monkeypatch.chdir(tmp_path)
+    env = {"_target_": "tool_env.Flaky"}
+    envs = EnvironmentPool(env, runner_cfg(num_workers=1, timeout_s=30.0))
+    try:
+        pid_file = tmp_path / "pid"
+        hung, answered = envs.step([(tool_call("sleeps_forever", pid_file=str(pid_file)), {}),
+                                    ([{"role": "assistant", "content": "42"}], {})])
+        # no worker replaced, no env failure: the tool's process was killed, not the step
+        assert hung.counts == {} and hung.step.counts["tools/timeout"] == 1 and answered.step.reward == 1.0
+        pid = int(pid_file.read_text())
+        assert not Path(f"/proc/{pid}").exists()  # killed, and reaped by the worker
+        line = console_line(1, 2, {"env/failures": 0, **hung.step.counts}, 2.0)
+        assert line.endswith("env_fail 0 | tool_fail 1/1 (timeout 1)"), line
+        # the same worker (a second pool would cost an actor start): the controller raises on its answer
+        envs.cfg = dataclasses.replace(envs.cfg, fail_fast=True)
+        with pytest.raises(EnvironmentFailure) as error:
+            envs.step([(tool_call("divide", a=1, b=0), {})])
+        assert re.fullmatch(r"environment tool_env.Flaky: tool divide raised ZeroDivisionError: division by zero "
+                            r"\(tool_env.py:\d+\); env_runner.fail_fast is on: fix it, or set "
+                            r"env_runner.fail_fast=false to answer such calls with an error and count them "
+                            r"\(tools/\*\)", str(error.value)), str(error.value)
     finally:
         envs.shutdown()
 

@@ -1,5 +1,8 @@
 """Built-in environments, the math verifier, the env API's checks and failure recording."""
 
+import json
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,6 +15,8 @@ from rlkit.envs.base import (EnvStep, Environment, MalformedStepError, as_env_st
                              load_environment)
 from rlkit.envs.math_answers import MathEnv, answers_match, extract_answer
 from rlkit.envs.runner import EnvWorker, safe_step
+from rlkit.envs.tools import ToolEnvironment
+from test_tools import running
 
 
 def conversation(*turns: str) -> list[dict]:
@@ -211,3 +216,39 @@ def test_env_check_command(tmp_path, capsys):
     broken.write_text(json.dumps({"prompt": "q", "response": "a"}))  # no "answer": exact_score raises
     assert main(["env", "check", f"{__name__}.exact_score", "--data", str(broken)]) == 1
     assert "FAILED (exception)" in capsys.readouterr().out
+
+
+def sleeps_forever(pid_file: str) -> str:
+    """Write down its process id, then never return.
+
+    Args:
+        pid_file: where to write it
+    """
+    Path(pid_file).write_text(str(os.getpid()))
+    threading.Event().wait()
+    return "never"
+
+
+class _HungTool(ToolEnvironment):
+    tool_timeout_s = 1.0
+
+    def tools(self):
+        return [sleeps_forever]
+
+    def score(self, answer, metadata):
+        return 1.0
+
+
+def test_a_hung_tool_in_an_env_worker_is_stopped_and_the_step_goes_on(tmp_path):
+    """The worker's step answers the call with a timeout error well inside env_runner.timeout_s,
+    its tool process killed (not a thread left behind), and the worker steps on."""
+    worker = EnvWorker(f"{__name__}._HungTool", {}, timeout_s=30)
+    call = json.dumps({"name": "sleeps_forever", "arguments": {"pid_file": str(tmp_path / "pid")}})
+    (hung, answered), stuck = worker.step_many([(conversation("q", f"<tool_call>{call}</tool_call>"), {}),
+                                                (conversation("q", "42"), {})])
+    assert not stuck and hung.failure is None and not hung.step.done
+    assert hung.step.counts["tools/timeout"] == 1 and hung.step.tool_messages[0]["content"] == \
+        "Error: sleeps_forever did not finish within 1 s."
+    assert hung.step.faults == ["tool sleeps_forever did not finish within 1 s (stopped, counted in tools/timeout)"]
+    assert not running(int((tmp_path / "pid").read_text()))
+    assert answered.step == EnvStep(1.0, True)

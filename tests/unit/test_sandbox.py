@@ -267,3 +267,34 @@ def test_the_code_tool_returns_what_the_program_prints():
     assert box.call(ToolCall("run_python", {"code": "print(sum(range(10)))"}, "")).content == "45\n"
     failed = box.call(ToolCall("run_python", {"code": "1/0"}, "")).content
     assert failed.startswith("[exit code 1]\n") and "ZeroDivisionError" in failed
+
+
+@pytest.mark.parametrize("key, value", [("memory_mb", -1), ("memory_mb", 0), ("memory_mb", 8), ("wall_s", 0),
+                                        ("wall_s", -5), ("wall_s", float("inf")), ("cpu_s", 0), ("processes", 0)])
+def test_a_sandbox_limit_that_is_no_limit_is_refused_in_one_line(key, value):
+    """memory_mb=-1 used to lift the memory limit (a 2 GiB allocation passed); wall_s, cpu_s or
+    processes at 0 made every program fail. Refused with the config, before any worker starts,
+    and by the sandbox itself."""
+    line = sandbox_env_problem(key, value)
+    assert line.startswith(f"env.{key}: must be a finite number >= ") and f"(got: {value!r})" in line, line
+    assert "\n" not in line
+    with pytest.raises(ValueError, match=f"^sandbox limit {key}: must be"):
+        run_python("print(1)", SandboxLimits(**{key: value}))
+    from rlkit.envs.tools.code import PythonSandbox
+    with pytest.raises(ValueError, match=f"^sandbox limit {key}: must be"):
+        PythonSandbox(SandboxLimits(**{key: value}))
+
+
+def sandbox_env_problem(key: str, value) -> str | None:
+    from rlkit.envs.base import check_environment_config
+
+    return check_environment_config("rlkit.envs.code_execution.CodeExecutionEnv",
+                                    {key: value, "allow_weak_sandbox": True})
+
+
+@needs_bwrap
+def test_the_least_limits_run_a_program():
+    """The documented minimums (sandbox._MINIMUM) are limits a program runs under."""
+    least = SandboxLimits(**{key: value for key, value in sandbox._MINIMUM.items() if key != "wall_s"})
+    assert sandbox_env_problem("memory_mb", least.memory_mb) is None
+    assert run_python("print(sum(range(10)))", least).stdout == "45\n"

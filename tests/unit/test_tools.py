@@ -2,7 +2,9 @@
 every way a call can fail answered with a tool message and counted."""
 
 import json
+import os
 import re
+import subprocess
 import textwrap
 import threading
 import time
@@ -17,8 +19,12 @@ from rlkit.config.schema import ConfigError
 from rlkit.data.prompts import Prompt, PromptRenderer
 from rlkit.envs.base import EnvStep, MalformedStepError, as_env_step
 from rlkit.envs.calculator import CalculatorEnv
-from rlkit.envs.tools import (FAILURES, ParsedTurn, ToolBox, ToolCall, ToolEnvironment, environment_tools,
-                              load_parser, methods_of, tool_metrics, tool_schema, valid_fraction)
+from rlkit.envs.base import check_environment_config
+from rlkit.envs.tools import (FAILURES, ParsedTurn, ToolBox, ToolCall, ToolDefinitionError, ToolEnvironment,
+                              ToolResult, environment_tools, load_parser, methods_of, tool_metrics, tool_schema,
+                              valid_fraction)
+from rlkit.launch.preflight import check_prompts
+from rlkit.observability.metrics import console_line
 from rlkit.launch.config import load_config
 from rlkit.models.tiny import build_tokenizer
 
@@ -90,7 +96,10 @@ def test_a_class_offers_its_documented_public_methods():
     box = ToolBox(methods_of(notebook))
     assert [s["function"]["name"] for s in box.schemas] == ["write"]
     assert box.schemas[0]["function"]["parameters"]["required"] == ["text"]  # self is not a parameter
-    assert box.call(ToolCall("write", {"text": "hi"}, "")).content == "1 notes" and notebook.notes == ["hi"]
+    assert box.call(ToolCall("write", {"text": "hi"}, "")).content == "1 notes"
+    # the tool's state lives in the tool process (one per toolbox, kept between calls), not in this one
+    assert box.call(ToolCall("write", {"text": "ho"}, "")).content == "2 notes" and notebook.notes == []
+    box.process.stop()
 
 
 def test_an_undescribable_tool_is_refused_when_declared():
@@ -105,7 +114,7 @@ def test_an_undescribable_tool_is_refused_when_declared():
         """
 
     for fn in (no_docs, untyped):
-        with pytest.raises(TypeError, match=rf"^tool {fn.__name__}: .*give it a type hint on every parameter"):
+        with pytest.raises(ToolDefinitionError, match=rf"^tool {fn.__name__}: .*give it a type hint on every"):
             ToolBox([fn])
 
 
@@ -135,7 +144,7 @@ def test_parser_names_what_is_wrong_with_a_call(text, kind, reason):
 
 
 def test_an_unknown_parser_is_named():
-    with pytest.raises(ValueError, match="unknown tool-call parser 'xml'.*'hermes'"):
+    with pytest.raises(ToolDefinitionError, match="unknown tool-call parser 'xml'.*'hermes'"):
         load_parser("xml")
 
 
@@ -190,12 +199,67 @@ def test_a_call_that_returns_gives_its_value_as_text():
     assert long.content.startswith('{"city": "') and long.content.endswith("more characters]")
 
 
-def test_a_hung_tool_holds_up_only_its_own_call():
-    started = time.perf_counter()
-    assert BOX.call(ToolCall("hangs", {"seconds": 5}, "")).failure == "timeout"
-    assert BOX.call(ToolCall("add", {"a": 1}, "")).content == "2.0"
-    assert time.perf_counter() - started < 4.5  # not the 5 s the tool sleeps
-    assert any(t.name == "tool-hangs" and t.daemon for t in threading.enumerate())  # left behind, a daemon
+def hangs_with_a_child(pid_file: str) -> str:
+    """Start a subprocess, write down both process ids, and never return.
+
+    Args:
+        pid_file: where to write them
+    """
+    child = subprocess.Popen(["sleep", "600"])
+    Path(pid_file).write_text(f"{os.getpid()} {child.pid}")
+    threading.Event().wait()
+    return "never"
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie (one killed whose parent has not reaped it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+def gone_soon(pid: int) -> bool:
+    """A killed process is gone within seconds (SIGKILL is delivered asynchronously)."""
+    for _ in range(100):
+        if not running(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_hung_tool_is_killed_with_what_it_started_and_the_next_call_runs(tmp_path):
+    box = ToolBox([hangs_with_a_child, add], timeout_s=1)
+    pid_file = tmp_path / "pids"
+    result = box.call(ToolCall("hangs_with_a_child", {"pid_file": str(pid_file)}, ""))
+    assert result.failure == "timeout" and result.content == "Error: hangs_with_a_child did not finish within 1 s."
+    assert result.fault == "tool hangs_with_a_child did not finish within 1 s (stopped, counted in tools/timeout)"
+    tool_pid, its_child = map(int, pid_file.read_text().split())
+    assert tool_pid != os.getpid() and not running(tool_pid)  # killed and reaped: no thread or process left
+    assert gone_soon(its_child)  # the tool's own subprocess: killed with its process group
+    assert box.call(ToolCall("add", {"a": 1}, "")).content == "2.0"  # in a fresh tool process
+    assert box.process.pid not in (None, tool_pid)
+    box.process.stop()
+
+
+def exits(code: int) -> str:
+    """End the process.
+
+    Args:
+        code: its exit status
+    """
+    os._exit(code)
+
+
+def test_a_tool_that_raises_or_ends_its_process_is_a_fault_in_one_line():
+    box = ToolBox([lookup, exits, add])
+    raised = box.call(ToolCall("lookup", {"city": "Atlantis"}, ""))
+    assert raised.content == "Error: lookup raised KeyError: 'no such city: Atlantis'"
+    assert re.fullmatch(r"tool lookup raised KeyError: 'no such city: Atlantis' \(test_tools.py:\d+\)", raised.fault)
+    ended = box.call(ToolCall("exits", {"code": 3}, ""))
+    assert ended.failure == "raised" and ended.fault == "tool exits raised nothing: its process ended with exit code 3"
+    assert box.call(ToolCall("add", {"a": 1}, "")).content == "2.0"
+    box.process.stop()
 
 
 class Calculator(ToolEnvironment):
@@ -382,3 +446,91 @@ def test_a_warm_start_example_is_a_whole_tool_episode(tmp_path):
         "<|im_start|>assistant\n2146<|endoftext|>")
     assert ids[:len(prompt.token_ids)] == prompt.token_ids and not any(trained[:len(prompt.token_ids)])
     assert env.reference_turns([{"role": "user", "content": "what?"}], {"answer": "1"}) is None
+
+
+class _Tools(ToolEnvironment):
+    """A tool environment whose tools, parser and time limit each test sets."""
+
+    offered = [add]
+
+    def tools(self):
+        return self.offered
+
+    def score(self, answer, metadata):
+        return 0.0
+
+
+class NoDocstring(_Tools):
+    offered = [add, lambda a: a]
+
+
+class NotAFunction(_Tools):
+    offered = [add, 42]
+
+
+class SameNameTwice(_Tools):
+    offered = [add, add, lookup]
+
+
+class UnknownParser(_Tools):
+    parser = "xml"
+
+
+class NoTimeLimit(_Tools):
+    tool_timeout_s = 0
+
+
+@pytest.mark.parametrize("target, kwargs, problem", [
+    (f"{__name__}.NoDocstring", {}, rf"env._target_: {__name__}.NoDocstring.tools\(\): tool <lambda>: "
+                                    r".*no docstring.*; give it a type hint on every parameter and a docstring"),
+    (f"{__name__}.NotAFunction", {}, rf"env._target_: {__name__}.NotAFunction.tools\(\): 42 is not a function "
+                                     r"\(got: int\); offer functions or bound methods"),
+    (f"{__name__}.SameNameTwice", {}, rf"env._target_: {__name__}.SameNameTwice.tools\(\): two tools are named add "
+                                      r"\(got: add, add, lookup\); give each tool a name of its own"),
+    (f"{__name__}.UnknownParser", {}, rf"env._target_: {__name__}.UnknownParser.parser: unknown tool-call parser "
+                                      r"'xml' .*; use one of \['hermes'\] or an importable class path"),
+    (f"{__name__}.NoTimeLimit", {}, rf"env._target_: {__name__}.NoTimeLimit.tool_timeout_s: must be a finite number "
+                                    r"of seconds > 0 \(got: 0\); set the seconds one tool call may take"),
+    ("rlkit.envs.calculator.CalculatorEnv", {"tool_timeout_s": 0}, r"env.tool_timeout_s: .* \(got: 0\)"),
+    ("rlkit.envs.calculator.CalculatorEnv", {"tool_timeout_s": -1}, r"env.tool_timeout_s: .* \(got: -1\)"),
+    ("rlkit.envs.calculator.CalculatorEnv", {"tool_timeout_s": float("inf")}, r"env.tool_timeout_s: .* \(got: inf\)"),
+])
+def test_each_tool_definition_problem_is_one_line_naming_the_key(target, kwargs, problem):
+    """Checked with the config (env._target_'s check), before any worker starts."""
+    line = check_environment_config(target, kwargs)
+    assert re.match(problem, line) and "\n" not in line, line
+
+
+def test_the_config_refuses_a_tool_definition_problem_before_any_worker_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"^env.tool_timeout_s: must be a finite number of seconds > 0 \(got: -1\)"):
+        load_config("grpo_tiny_cpu_tools", ["env.tool_timeout_s=-1", f"run.cache_dir={tmp_path}"])
+
+
+def test_tool_failures_are_on_the_console_line():
+    results = [ToolResult("hangs", "", "timeout")] * 3 + [ToolResult("lookup", "", "raised"), ToolResult("add", "2")]
+    metrics = {"train/reward": 0.0, "env/failures": 0, **tool_metrics(results), "timing/step": 3.0}
+    line = console_line(2, 10, metrics, 3.0)
+    assert line.endswith("| env_fail 0 | time 3.00s | tool_fail 4/5 (raised 1, timeout 3)"), line
+    assert console_line(2, 10, {**metrics, **tool_metrics([ToolResult("add", "2")])}, 3.0).endswith("tool_fail 0/1")
+    assert "tool_fail" not in console_line(2, 10, {"train/reward": 0.0}, 3.0)  # no tool environment
+
+
+def test_a_budget_too_small_for_any_tool_call_is_named_in_the_first_lines(tmp_path, caplog):
+    """The shortest call (hermes, the calculator's add with a=0, b=0) does not fit in 8 tokens:
+    every call would be cut off (tools/partial) and answered with an error; with one turn, a
+    call's result is never followed by an answer."""
+    tokenizer = build_tokenizer()
+
+    def warnings(*overrides: str) -> list[str]:
+        cfg, _ = load_config("grpo_tiny_cpu_tools", [*overrides, f"run.cache_dir={tmp_path}"])
+        caplog.clear()
+        check_prompts(cfg, load_prompts(cfg, tokenizer), tokenizer)
+        return [r.getMessage() for r in caplog.records if "tool call" in r.getMessage()]
+
+    assert warnings() == []  # the recipe's budgets hold a call and the answer after it
+    (small,) = warnings("generation.max_new_tokens=8")
+    assert small.startswith("generation.max_new_tokens: 8 tokens cannot hold even the shortest tool call of "
+                            "env._target_=rlkit.envs.calculator.CalculatorEnv ('<tool_call>{\"name\": \"add\", "
+                            "\"arguments\": {\"a\": 0, \"b\": 0}}</tool_call>': "), small
+    (one_turn,) = warnings("env_runner.max_turns=1")
+    assert one_turn.startswith("env_runner.max_turns: 1 turn leaves none to answer after a tool call"), one_turn

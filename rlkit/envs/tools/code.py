@@ -6,7 +6,7 @@ to leave the sandbox is the model's to read about in the tool message, not a fai
         return [PythonSandbox(SandboxLimits(wall_s=5)).run_python, ...]
 """
 
-from rlkit.envs.sandbox import SandboxLimits, check_sandbox, run_python
+from rlkit.envs.sandbox import SandboxLimits, check_limits, check_sandbox, run_python
 
 _TAIL_CHARS = 1000  # of stderr, where a failing program's traceback ends
 
@@ -14,7 +14,8 @@ _TAIL_CHARS = 1000  # of stderr, where a failing program's traceback ends
 class PythonSandbox:
     def __init__(self, limits: SandboxLimits = SandboxLimits(), allow_weak_sandbox: bool = False):
         self.limits, self.allow_weak = limits, allow_weak_sandbox
-        check_sandbox(allow_weak_sandbox)  # refuse now, before any training, where bubblewrap cannot run
+        check_limits(limits)  # refuse now, before any training, a limit that is none
+        check_sandbox(allow_weak_sandbox)  # and where bubblewrap cannot run
 
     def run_python(self, code: str) -> str:
         """Run a Python program in a sandbox (no network, no files outside its own folder) and return what it printed.

@@ -17,12 +17,16 @@ from typing import Callable
 
 from rlkit.envs.base import Environment, EnvStep
 from rlkit.envs.tools.parsing import load_parser
+from rlkit.envs.tools.schema import ToolDefinitionError
 from rlkit.envs.tools.toolbox import ToolBox, tool_metrics
+
+# the shortest value of each JSON schema type: a call's arguments at their shortest
+_SHORTEST = {"string": "", "integer": 0, "number": 0, "boolean": False, "array": [], "object": {}}
 
 
 class ToolEnvironment(Environment):
     parser = "hermes"  # a name in rlkit.envs.tools.PARSERS, or an importable parser class
-    tool_timeout_s = 10.0  # a call that runs longer is answered with a timeout error
+    tool_timeout_s = 10.0  # a call that runs longer is stopped (its process killed) and answered with a timeout error
 
     def tools(self) -> list[Callable]:
         """The tools offered to the model."""
@@ -35,9 +39,39 @@ class ToolEnvironment(Environment):
     @property
     def toolbox(self) -> ToolBox:
         if "_toolbox" not in self.__dict__:  # built on first use: subclasses need not call a constructor
-            self._toolbox = ToolBox(self.tools(), self.tool_timeout_s)
             self._parser = load_parser(self.parser)
+            self._toolbox = ToolBox(self.tools(), self.tool_timeout_s)
         return self._toolbox
+
+    @classmethod
+    def check_arguments(cls, **kwargs) -> str | None:
+        """The environment built with these arguments, its tools, parser and time limit checked as
+        the worker will build them: the first problem, one line naming the key, or None."""
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        try:
+            cls(**kwargs).toolbox
+        except ToolDefinitionError as e:
+            key = f"env.{e.attribute}" if e.attribute in kwargs else f"env._target_: {name}.{e.attribute}"
+            return f"{key}: {e}"
+        except Exception as e:  # noqa: BLE001 - the user's constructor or tools(): theirs to see, in one line
+            return (f"env._target_: building {name} raised {type(e).__name__}: {' '.join(str(e).split())}; fix its "
+                    f"constructor or tools(), or the env.* keys given to it")
+        return None
+
+    def shortest_tool_call(self) -> str | None:
+        """The shortest call of any tool, required arguments at their shortest values, as the model
+        writes it (None where the parser cannot write calls: it has no format_call)."""
+        schemas = self.toolbox.schemas  # the parser is built with the toolbox
+        if not hasattr(self._parser, "format_call"):
+            return None
+        calls = []
+        for schema in schemas:
+            function = schema["function"]
+            properties = function.get("parameters", {}).get("properties", {})
+            arguments = {key: _SHORTEST.get(properties[key].get("type"), "")
+                         for key in function.get("parameters", {}).get("required", [])}
+            calls.append(self._parser.format_call(function["name"], arguments))
+        return min(calls, key=len, default=None)
 
     def setup(self) -> None:
         self.toolbox  # its schemas import transformers: seconds, more on a loaded machine
@@ -54,7 +88,7 @@ class ToolEnvironment(Environment):
             return scored if isinstance(scored, EnvStep) else EnvStep(reward=float(scored), done=True)
         results = [toolbox.call(call) for call in turn.calls]
         return EnvStep(reward=0.0, done=False, tool_messages=[r.message() for r in results],
-                       counts=tool_metrics(results))
+                       counts=tool_metrics(results), faults=[r.fault for r in results if r.fault] or None)
 
 
 def environment_tools(env_cfg: dict) -> list[dict] | None:

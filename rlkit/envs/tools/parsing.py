@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rlkit.envs.base import import_target
+from rlkit.envs.tools.schema import ToolDefinitionError
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class ParsedTurn:
 class ToolCallParser(Protocol):
     def parse(self, text: str) -> ParsedTurn: ...
 
+    # optional: `format_call(name, arguments) -> str`, a call as the model writes it, lets a run whose
+    # token budget cannot hold the shortest call be warned (rlkit/launch/preflight.py)
+
 
 class HermesParser:
     """Hermes / Qwen2.5 / Qwen3: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
@@ -49,6 +53,9 @@ class HermesParser:
             calls.append(ToolCall(None, None, raw.strip(), f"the call was cut off before {self.CLOSE}", "partial"))
             content = content[:cut]
         return ParsedTurn(content.strip(), calls)
+
+    def format_call(self, name: str, arguments: dict) -> str:
+        return f"{self.OPEN}{json.dumps({'name': name, 'arguments': arguments})}{self.CLOSE}"
 
 
 def _read_call(body: str) -> ToolCall:
@@ -80,5 +87,5 @@ def load_parser(name: str) -> ToolCallParser:
     try:
         return import_target(name)()
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"unknown tool-call parser {name!r} ({e}); use one of {sorted(PARSERS)} or an importable "
-                         f"class path") from None
+        raise ToolDefinitionError("parser", f"unknown tool-call parser {name!r} ({e}); use one of {sorted(PARSERS)} "
+                                            f"or an importable class path") from None

@@ -11,6 +11,15 @@ environment declares it, not when the model first calls it.
 from typing import Callable
 
 
+class ToolDefinitionError(TypeError):
+    """An environment's tools cannot be offered as declared: `attribute` is what declares them
+    ("tools()", "parser", "tool_timeout_s"), the message the problem and its fix, in one line."""
+
+    def __init__(self, attribute: str, message: str):
+        super().__init__(message)
+        self.attribute = attribute
+
+
 def tool_schema(fn: Callable) -> dict:
     """{"type": "function", "function": {"name", "description", "parameters", ...}} for `fn` (a
     function or a bound method; its name is the tool's)."""
@@ -19,5 +28,7 @@ def tool_schema(fn: Callable) -> dict:
     try:
         return get_json_schema(fn)
     except Exception as e:  # noqa: BLE001 - transformers' reasons (no docstring, an argument undescribed, a type)
-        raise TypeError(f"tool {getattr(fn, '__name__', fn)!s}: {e}; give it a type hint on every parameter and a "
-                        f"docstring with a first line and an Args: line per parameter") from None
+        reason = " ".join(str(e).split())  # one line
+        raise ToolDefinitionError("tools()", f"tool {getattr(fn, '__name__', fn)!s}: {reason}; give it a type hint on "
+                                             f"every parameter and a docstring with a first line and an Args: line "
+                                             f"per parameter") from None
