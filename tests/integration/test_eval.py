@@ -1,9 +1,10 @@
 """`rlkit eval` on a real local Ray cluster: the tiny recipe's warm start (the one test_checkpoint's
-runs start from, trained here where they have not run) scored as an HF model and as a dist
-checkpoint of the same weights (restored by the policy and refit into the generation workers);
-its greedy accuracy must be what HF generate's greedy answers to the same prompts earn."""
+runs start from, trained here where they have not run) scored as an HF model with the recipe, and
+as a dist checkpoint of the same weights with its run's saved config on the same rows given as a
+file; its greedy accuracy must be what HF generate's greedy answers to the same prompts earn."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,10 +102,13 @@ def test_eval_scores_what_hf_generate_scores(warm_started, warm_pool, make_cfg, 
     assert sampled["scored"] == 4 * len(prompts) and sampled["pass@1"] == pytest.approx(sampled["accuracy"])
     assert sampled["pass@1"] <= sampled["pass@2"] <= sampled["pass@4"] and sampled["pass@4"] > 0
 
-    # the same weights as a dist checkpoint: the policy restores it over the untrained model
+    # the same weights as a dist checkpoint, with its run's own config, on the same rows from a file of
+    # the user's: the policy restores the checkpoint over the untrained model and refits the engine
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(Path(cfg.data.val_path).read_text())
     out = tmp_path / "checkpoint_report.json"
-    restored = evaluate(plan_eval(str(checkpoint), "grpo_tiny_cpu", overrides, None, None, None, str(out)),
+    restored = evaluate(plan_eval(str(checkpoint), None, ["generation.num_workers=1"], None, None, str(rows), str(out)),
                         pool=warm_pool)
-    assert restored["step"] == 60 and "sampled" not in restored
-    assert restored["greedy"]["accuracy"] == pytest.approx(accuracy, abs=flip)
+    assert restored["step"] == 60 and restored["data"] == str(rows) and "sampled" not in restored
+    assert restored["prompts"] == len(prompts) and restored["greedy"]["accuracy"] == pytest.approx(accuracy, abs=flip)
     assert restored["greedy"]["response_length"] == pytest.approx(length, abs=cfg.generation.max_new_tokens * flip)
