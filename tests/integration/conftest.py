@@ -4,7 +4,6 @@ their runs set up again for each model and layout; and one `rlkit train` command
 runs it, which several test files check for their claims."""
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 from process_tree import ProcessTree
+from readme_commands import env_example
 
 from rlkit.cluster.groups import ModelWorkers
 from rlkit.cluster.ray_runtime import join_or_start_ray
@@ -134,9 +134,6 @@ def model_workers(warm_pool):
     holder.release()
 
 
-README_ENV_EXAMPLE = re.compile(r"<!-- env-example -->\n```python\n(.*?)```.*?```bash\n(.*?)```", re.DOTALL)
-
-
 @dataclass
 class UserCommand:
     """A finished `rlkit train` command: its argv (run in cwd), exit status and output, the
@@ -164,7 +161,7 @@ def readme_environment_command(tmp_path_factory) -> UserCommand:
     test_cli, test_loopback_cluster and test_env_workers each check their claims on this one run (a
     command's start-up is about 15 s of both cores)."""
     folder = tmp_path_factory.mktemp("readme_env")
-    code, command = README_ENV_EXAMPLE.search((Path(__file__).resolve().parents[2] / "README.md").read_text()).groups()
+    code, command = env_example()
     (folder / "my_env.py").write_text(code)
     words = command.strip().split()
     assert words[:2] == ["rlkit", "train"], command

@@ -26,19 +26,20 @@ def test_train_command_runs_and_reuses_its_warm_start(readme_environment_command
     assert "started a local Ray cluster" in log
     assert "running 2 SFT steps" in log
     assert "step   1/2 [" in log and "step   2/2 [" in log and "| reward" in log and "val_acc" in log
-    assert (command.cwd / "out" / "grpo_tiny_cpu" / "metrics.jsonl").is_file()
+    run_name = next(word.split("=", 1)[1] for word in command.argv if word.startswith("run.name="))
+    assert (command.cwd / "out" / run_name / "metrics.jsonl").is_file()
     # expected warnings are said once, by the driver; no Python warning from any process
     assert "UserWarning" not in log and "c10d::broadcast_" not in log
     assert log.count("not installed: Megatron uses its PyTorch fallbacks") == 1
 
     again = command.again()  # finished: says so, starts nothing
-    assert again.returncode == 0 and "grpo_tiny_cpu already finished" in again.stderr, again.stderr[-3000:]
+    assert again.returncode == 0 and f"{run_name} already finished" in again.stderr, again.stderr[-3000:]
     assert "started a local Ray cluster" not in again.stderr
 
     # a new run of the same warm start (its key holds the model, data and warm-start settings, not
     # the environment) loads it, in this process on the pool's workers
     overrides = [word for word in command.argv[command.argv.index("grpo_tiny_cpu") + 1:]
-                 if not word.startswith("env.")]
+                 if not word.startswith(("env.", "run.name="))]
     cfg, resolved = load_config("grpo_tiny_cpu", [*overrides, "run.name=second"])
     with caplog.at_level(logging.INFO, logger="rlkit"):
         train(cfg, resolved, pool=warm_pool)
