@@ -14,6 +14,7 @@ Everything the user gave is checked here before any worker starts (plan_eval); R
 are imported only by evaluate(), so the CLI's errors come at once."""
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -30,6 +31,8 @@ from rlkit.launch.config import RECIPES_DIR, compose_recipe, load_config, to_typ
 from rlkit.models.resolve import resolve_model_dir
 from rlkit.observability.evaluation import mean_pass_at_k, parse_ks
 from rlkit.workers.policy.adapter_base import check_base, recorded_base
+
+log = logging.getLogger("rlkit")
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def _checkpoint_config(checkpoint: Path, recipe: str | None, overrides: list[str
     """The config to evaluate a checkpoint with: its run's, or with --config-name the recipe's
     with the checkpoint's policy and refit sections (the model and how it reaches the engines);
     and the HF directory its policy is restored over."""
-    problem = verify(checkpoint, checksums=False)
+    problem = verify(checkpoint)  # every file's checksum: a damaged weight would only lower the scores
     if problem is not None:
         raise ConfigError(f"model: the checkpoint {checkpoint} is damaged: {problem}; evaluate another one")
     saved = OmegaConf.load(checkpoint / "config.yaml")
@@ -200,11 +203,13 @@ def evaluate(plan: EvalPlan, pool=None) -> dict:
             return run_episodes(data.val, renderer, workers.generation, envs, params, cfg.env_runner,
                                 samples_per_prompt=samples)
 
+        log.info("eval: greedy answers to %d prompts", len(data.val))
         greedy = scored(replace(sampling, temperature=0.0), 1)
         report = {"model": str(plan.model), "step": _step(plan.checkpoint), "prompts": len(data.val),
                   "data": cfg.data.val_path, "env": cfg.env["_target_"], "generation": g.backend,
                   "greedy": _figures(greedy.summary("greedy"), "greedy")}
         if plan.n is not None:
+            log.info("eval: %d samples of each prompt at temperature %g", plan.n, g.temperature)
             sampled = scored(sampling, plan.n)
             verdicts = (sampled.correct == 1).view(len(data.val), plan.n).tolist()  # no verdict: not correct
             report["sampled"] = {"n": plan.n, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,

@@ -1,14 +1,17 @@
 """`rlkit eval` without workers: pass@k against a count of every draw, the report's table, and
 each bad input as one config error before any worker starts (and without importing torch)."""
 
+import hashlib
 import itertools
 import json
 import math
 
 import pytest
+from omegaconf import OmegaConf
 from test_cli_startup import run
 
 from rlkit.config.schema import ConfigError
+from rlkit.launch.config import compose_recipe
 from rlkit.launch.evaluate import plan_eval, write_report
 from rlkit.observability.evaluation import mean_pass_at_k, parse_ks, pass_at_k, report_table
 
@@ -137,6 +140,46 @@ def test_bad_input_is_one_config_error(hf_model, model, kwargs, problem):
     overrides = kwargs.pop("overrides", [])
     with pytest.raises(ConfigError, match=problem):
         plan(hf_model.parent / model, *overrides, **kwargs)
+
+
+@pytest.fixture
+def checkpoint(hf_model):
+    """A complete checkpoint folder as a run of grpo_tiny_cpu on hf_model leaves it (its weights a
+    stand-in: nothing loads them here), from a run that had resumed from another checkpoint."""
+    path = hf_model.parent / "run" / "checkpoints" / "step_000010"
+    (path / "policy").mkdir(parents=True)
+    (path / "policy" / "weights.distcp").write_bytes(b"weights")
+    saved = compose_recipe("grpo_tiny_cpu", [f"policy.model_path={hf_model}", "generation.max_new_tokens=9",
+                                             "refit.bucket_mb=7", f"run.cache_dir={hf_model.parent / 'cache'}",
+                                             f"checkpoint.resume={hf_model.parent / 'gone' / 'step_000005'}"])
+    (path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    files = {name: (path / name).read_bytes() for name in ("policy/weights.distcp", "config.yaml")}
+    (path / "manifest.json").write_text(json.dumps({"files": {
+        name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}}))
+    return path
+
+
+def test_a_checkpoint_is_planned_with_its_runs_config(checkpoint, hf_model):
+    p = plan_eval(str(checkpoint), None, ["generation.num_workers=1"], None, None, None, None)
+    assert p.checkpoint == checkpoint and p.model_dir == hf_model and p.out == checkpoint.parent / "step_000010.eval.json"
+    assert p.cfg.generation.max_new_tokens == 9 and p.cfg.generation.num_workers == 1
+    assert p.cfg.checkpoint.resume == "none"  # the run's resume source is not this evaluation's business
+    with pytest.raises(ConfigError, match="data=gsm8k: choosing a config group needs a recipe"):
+        plan_eval(str(checkpoint), None, ["data=gsm8k"], None, None, None, None)
+
+
+def test_a_recipe_keeps_the_checkpoints_model_and_refit(checkpoint, hf_model):
+    p = plan_eval(str(checkpoint), "grpo_tiny_cpu", [f"run.cache_dir={hf_model.parent / 'cache'}"], None, None, None,
+                  None)
+    assert p.cfg.generation.max_new_tokens == 6  # the recipe's
+    assert p.cfg.policy.model_path == str(hf_model) and p.cfg.refit.bucket_mb == 7  # the checkpoint's
+
+
+def test_a_damaged_checkpoint_is_refused(checkpoint):
+    (checkpoint / "policy" / "weights.distcp").write_bytes(b"weightz")
+    with pytest.raises(ConfigError, match="model: the checkpoint .*step_000010 is damaged: policy/weights.distcp "
+                                          "differs from what was written"):
+        plan_eval(str(checkpoint), None, [], None, None, None, None)
 
 
 def test_eval_errors_come_without_torch(hf_model):
