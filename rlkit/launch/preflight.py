@@ -158,16 +158,17 @@ def check_prompts(cfg: RootConfig, data: "TrainingData", tokenizer) -> None:
                                   f"to every row, or select the environment this data is for")
     _check_answer_budget(cfg, data.train, env, tokenizer)
     if issubclass(env, ToolEnvironment):
-        _check_tool_call_budget(cfg, env, tokenizer)
+        _check_tool_budgets(cfg, tokenizer)
 
 
-def _check_tool_call_budget(cfg: RootConfig, env: type[ToolEnvironment], tokenizer) -> None:
+def _check_tool_budgets(cfg: RootConfig, tokenizer) -> None:
     """A tool call cut off at the token budget is answered with an error (tools/partial), and one
     the episode has no turn left to follow up is wasted: where no call fits, the model can earn
-    only by answering without tools, so say so in the run's first lines."""
+    only by answering without tools, so say so in the run's first lines. So too where a hung
+    tool would time out its whole step before its own limit stops it."""
     g, r = cfg.generation, cfg.env_runner
-    call = load_environment(cfg.env["_target_"], {k: v for k, v in cfg.env.items() if k != "_target_"}) \
-        .shortest_tool_call()
+    env = load_environment(cfg.env["_target_"], {k: v for k, v in cfg.env.items() if k != "_target_"})
+    call = env.shortest_tool_call()
     if call is not None:
         tokens = len(tokenizer(call, add_special_tokens=False)["input_ids"])
         key, budget = min(("generation.max_new_tokens", g.max_new_tokens),
@@ -180,6 +181,11 @@ def _check_tool_call_budget(cfg: RootConfig, env: type[ToolEnvironment], tokeniz
     if r.max_turns < 2:
         log.warning("env_runner.max_turns: %d turn leaves none to answer after a tool call of env._target_=%s, so "
                     "a call earns nothing; set env_runner.max_turns to at least 2", r.max_turns, cfg.env["_target_"])
+    if env.tool_timeout_s >= r.timeout_s:
+        log.warning("env_runner.timeout_s: %gs is not above the tool time limit of env._target_=%s (%gs): a hung "
+                    "tool times out its whole step (env/timeouts, its worker replaced) before its own limit stops "
+                    "it (tools/timeout); set env.tool_timeout_s well below env_runner.timeout_s", r.timeout_s,
+                    cfg.env["_target_"], env.tool_timeout_s)
 
 
 def _check_answer_budget(cfg: RootConfig, prompts: list, env: type[Environment], tokenizer) -> None:

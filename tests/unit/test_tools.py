@@ -518,14 +518,15 @@ def test_tool_failures_are_on_the_console_line():
 def test_a_budget_too_small_for_any_tool_call_is_named_in_the_first_lines(tmp_path, caplog):
     """The shortest call (hermes, the calculator's add with a=0, b=0) does not fit in 8 tokens:
     every call would be cut off (tools/partial) and answered with an error; with one turn, a
-    call's result is never followed by an answer."""
+    call's result is never followed by an answer; a step time limit not above the tool's would
+    stop a hung tool's whole step first."""
     tokenizer = build_tokenizer()
 
     def warnings(*overrides: str) -> list[str]:
         cfg, _ = load_config("grpo_tiny_cpu_tools", [*overrides, f"run.cache_dir={tmp_path}"])
         caplog.clear()
         check_prompts(cfg, load_prompts(cfg, tokenizer), tokenizer)
-        return [r.getMessage() for r in caplog.records if "tool call" in r.getMessage()]
+        return [r.getMessage() for r in caplog.records if "tool" in r.getMessage()]
 
     assert warnings() == []  # the recipe's budgets hold a call and the answer after it
     (small,) = warnings("generation.max_new_tokens=8")
@@ -534,3 +535,7 @@ def test_a_budget_too_small_for_any_tool_call_is_named_in_the_first_lines(tmp_pa
                             "\"arguments\": {\"a\": 0, \"b\": 0}}</tool_call>': "), small
     (one_turn,) = warnings("env_runner.max_turns=1")
     assert one_turn.startswith("env_runner.max_turns: 1 turn leaves none to answer after a tool call"), one_turn
+    (step_first,) = warnings("env.tool_timeout_s=10", "env_runner.timeout_s=10")
+    assert step_first.startswith("env_runner.timeout_s: 10s is not above the tool time limit of "
+                                 "env._target_=rlkit.envs.calculator.CalculatorEnv (10s): a hung tool times out its "
+                                 "whole step"), step_first
