@@ -101,7 +101,9 @@ def _checkpoint_config(checkpoint: Path, recipe: str | None, overrides: list[str
         raw = OmegaConf.merge(saved, OmegaConf.from_dotlist(overrides))
     else:
         raw = compose_recipe(recipe, overrides, recipes_dir)
-        raw.policy, raw.refit = saved.policy, saved.refit
+        raw.policy = saved.policy
+        if saved.get("refit") is not None:  # an SFT or DPO run has none: the recipe's then
+            raw.refit = saved.refit
     raw.checkpoint.resume = "none"  # a resumed run's config names a checkpoint this evaluation does not read
     cfg = to_typed(raw)
     validate(cfg)

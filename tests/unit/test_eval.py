@@ -153,10 +153,15 @@ def checkpoint(hf_model):
                                              "refit.bucket_mb=7", f"run.cache_dir={hf_model.parent / 'cache'}",
                                              f"checkpoint.resume={hf_model.parent / 'gone' / 'step_000005'}"])
     (path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
-    files = {name: (path / name).read_bytes() for name in ("policy/weights.distcp", "config.yaml")}
-    (path / "manifest.json").write_text(json.dumps({"files": {
-        name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}}))
+    write_manifest(path)
     return path
+
+
+def write_manifest(checkpoint):
+    """The manifest a checkpoint's writer leaves last: each file's size and SHA-256."""
+    files = {name: (checkpoint / name).read_bytes() for name in ("policy/weights.distcp", "config.yaml")}
+    (checkpoint / "manifest.json").write_text(json.dumps({"files": {
+        name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()}}))
 
 
 def test_a_checkpoint_is_planned_with_its_runs_config(checkpoint, hf_model):
@@ -173,6 +178,17 @@ def test_a_recipe_keeps_the_checkpoints_model_and_refit(checkpoint, hf_model):
                   None)
     assert p.cfg.generation.max_new_tokens == 6  # the recipe's
     assert p.cfg.policy.model_path == str(hf_model) and p.cfg.refit.bucket_mb == 7  # the checkpoint's
+
+
+def test_an_sft_checkpoint_is_scored_with_an_rl_recipe(checkpoint, hf_model):
+    saved = compose_recipe("sft_tiny_cpu", [f"policy.model_path={hf_model}", f"run.cache_dir={hf_model.parent}"])
+    (checkpoint / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    write_manifest(checkpoint)
+    with pytest.raises(ConfigError, match="algorithm.name: sft generates nothing.*add --config-name <an RL recipe>"):
+        plan_eval(str(checkpoint), None, [], None, None, None, None)
+    p = plan_eval(str(checkpoint), "grpo_tiny_cpu", [f"run.cache_dir={hf_model.parent / 'cache'}"], None, None, None,
+                  None)
+    assert p.cfg.refit.transport == "cpu" and p.cfg.policy.model_path == str(hf_model)
 
 
 def test_a_damaged_checkpoint_is_refused(checkpoint):
