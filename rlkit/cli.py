@@ -33,6 +33,7 @@ def _train(args) -> int:
 
     start_ahead(cfg.cluster)  # its imports overlap the driver's
     from rlkit.algorithms.loop import RunStopped
+    from rlkit.checkpoint import CheckpointWriteError
     from rlkit.launch.run import train
     from rlkit.observability.startup import StartupClock
 
@@ -41,6 +42,9 @@ def _train(args) -> int:
     except RunStopped as e:
         print(f"rlkit: {e}", file=sys.stderr)
         return 128 + signal.Signals[e.reason]
+    except CheckpointWriteError as e:
+        print(f"rlkit: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         print(f"rlkit: stopped during a step ({e or 'SIGINT'}), without a checkpoint; rerun the same command to "
               f"continue from the last one", file=sys.stderr)

@@ -16,9 +16,12 @@ took as they wrote them), written last, then the rename. So a directory named st
 whole; leftovers of a killed write are never read and are removed. A whole
 checkpoint is trusted only once its files match its manifest: a file lost or damaged since (a
 rank's RNG file, a truncated shard) is found before any worker starts, and the run resumes from
-the newest intact checkpoint instead.
+the newest intact checkpoint instead. A write the disk cannot take (full, over quota, read-only)
+ends the run with one line naming the folder and its free space, the unfinished checkpoint removed.
 """
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -39,6 +42,12 @@ log = logging.getLogger("rlkit")
 
 _COMPLETE = re.compile(r"^step_(\d{6})$")
 MANIFEST = "manifest.json"
+# what a disk answers a write it cannot take: full, over quota, past a file size limit, read-only
+_DISK_ERRORS = [os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)]
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint the disk could not take: one line naming the folder, its free space and the fix."""
 
 
 @dataclass(frozen=True)
@@ -129,12 +138,14 @@ class CheckpointManager:
         self.finish(wait=True)
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        started = time.perf_counter()
-        held = models.save(str(tmp))
-        torch.save(controller_state, tmp / "controller.pt")
-        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        with self._disk_checked(final.name, tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            started = time.perf_counter()
+            # this process's files first: should they fail, no worker has begun writing
+            torch.save(controller_state, tmp / "controller.pt")
+            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+            held = models.save(str(tmp))
         self.writing = _Writing(tmp, final, models, started)
         parts = ", ".join(f"{part} {s:.2f}" for part, s in held.items() if part != "held")
         if parts:  # the models' background writers hold the rest
@@ -150,20 +161,44 @@ class CheckpointManager:
         writing = self.writing
         if writing is None:
             return None
-        written = writing.models.saved(wait)
-        if written is None:
-            return None
+        with self._disk_checked(writing.final.name, writing.tmp):
+            written = writing.models.saved(wait)
+            if written is None:
+                return None
+            _write_manifest(writing.tmp, {Path(path).resolve(): digest for path, digest in written.digests.items()})
+            if writing.final.exists():  # a resumed run re-reaching a step it had already saved
+                shutil.rmtree(writing.final)
+            os.replace(writing.tmp, writing.final)
         self.writing, self.last_write = None, written
-        _write_manifest(writing.tmp, {Path(path).resolve(): digest for path, digest in written.digests.items()})
-        if writing.final.exists():  # a resumed run re-reaching a step it had already saved
-            shutil.rmtree(writing.final)
-        os.replace(writing.tmp, writing.final)
         self._prune()
         log.info("checkpoint %s complete, %.1f s after it started; written in the background in %.2f s (%.2f GB at "
                  "%.2f GB/s), digests %.2f s", writing.final, time.perf_counter() - writing.started,
                  written.write_seconds, written.nbytes / 1e9, written.metrics()["timing/checkpoint_write_gbytes_per_s"],
                  written.digest_seconds)
         return writing.final
+
+    @contextlib.contextmanager
+    def _disk_checked(self, name: str, tmp: Path):
+        """Around the writes of checkpoint `name` into tmp: an error the disk caused (named in it, by
+        this process's write or a worker's, or failing a write while the disk has less room than a
+        checkpoint takes: torch's writer drops the OSError) becomes one CheckpointWriteError, and
+        the unfinished checkpoint is removed. Any other error passes as it is."""
+        try:
+            yield
+        except Exception as error:
+            free, last, unfinished = _free_bytes(self.root), self.complete(), _bytes_in(tmp)
+            last_bytes = _bytes_in(last[-1]) if last else 0
+            named = next((text for text in _DISK_ERRORS if text in str(error)), None)
+            if named is None and free >= max(unfinished, last_bytes):
+                raise
+            log.debug("checkpoint %s: the write failed with %r", name, error)
+            self.discard_unfinished()
+            took = f"; the last checkpoint took {_shown(last_bytes)}" if last else ""
+            raise CheckpointWriteError(
+                f"checkpoint {name} could not be written into {self.root}: {named or 'the disk is full'} "
+                f"({_shown(free)} free there{took}); its unfinished files ({_shown(unfinished)}) are removed: make "
+                f"room there or set checkpoint.dir to a disk with room, then rerun the same command to resume from "
+                f"{last[-1] if last else 'the start'}") from None
 
     def discard_unfinished(self) -> None:
         """Remove what this process began writing and never completed (a run stopped at once, or by
@@ -174,7 +209,10 @@ class CheckpointManager:
             return
         for tmp in self.root.glob(f"step_*.tmp-{os.getpid()}"):
             discarded = tmp.with_name(f"{tmp.name}.discarded")
-            os.replace(tmp, discarded)
+            try:
+                os.replace(tmp, discarded)
+            except OSError:  # a full disk's directory may have no room for the new name
+                discarded = tmp
             shutil.rmtree(discarded, ignore_errors=True)
 
     def _prune(self):
@@ -239,6 +277,26 @@ def verify(path: Path, checksums: bool = True) -> str | None:
             if digest != entries[name]["sha256"]:
                 return f"{name} differs from what was written (SHA-256 mismatch)"
     return None
+
+
+def _bytes_in(folder: Path) -> int:
+    """The bytes of the files under folder (0 if there is none), skipping files removed meanwhile."""
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            total += path.stat().st_size if path.is_file() else 0
+    return total
+
+
+def _free_bytes(folder: Path) -> int:
+    """Free bytes on the filesystem of folder (or of its nearest existing parent)."""
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def _shown(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def _write_manifest(directory: Path, known: dict[Path, str]):

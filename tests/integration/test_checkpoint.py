@@ -21,7 +21,7 @@ from run_metrics import last_logged_step
 from transformers import AutoModelForCausalLM
 
 from rlkit.algorithms.objectives import NextTokenNLL
-from rlkit.checkpoint import MANIFEST, CheckpointManager
+from rlkit.checkpoint import MANIFEST, CheckpointManager, CheckpointWriteError, verify
 from rlkit.cli import main
 from rlkit.cluster.worker_group import WorkerError
 from rlkit.config.schema import ConfigError
@@ -266,6 +266,33 @@ def test_convert_exports_hf_weights(warm_pool, make_cfg, tmp_path, save_format, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "grpo_tiny_cpu", "users"]  # nothing partial
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_a_full_disk_ends_the_run_in_one_line_and_leaves_no_unfinished_checkpoint(warm_pool, make_cfg, tmp_path):
+    """Checkpoints on a 10 MB disk (a tmpfs mounted for the test, which needs root;
+    tests/unit/test_checkpoint_full_disk.py fills one without), where one of this run's takes 6.6 MB:
+    step 1's fits, step 2's fills the disk in the policy workers' background write. The run ends with
+    one line naming the folder and its free space, and step 2's unfinished files are gone."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        cfg, resolved = make_cfg("algorithm.num_steps=3", "checkpoint.every=1", "algorithm.val_every=100",
+                                 "algorithm.val_before_training=false", "algorithm.prompts_per_step=8",
+                                 "policy.train_global_batch_size=64", f"checkpoint.dir={disk}",
+                                 f"run.output_dir={tmp_path}")
+        with pytest.raises(CheckpointWriteError) as error:
+            train(cfg, resolved, pool=warm_pool)
+        folder = re.escape(str(disk))
+        # torch's writer drops the OSError (RuntimeError: unexpected pos): the disk is found full by its free space
+        assert re.fullmatch(rf"checkpoint step_000002 could not be written into {folder}: (No space left on device|the "
+                            rf"disk is full) \(0.0 MB free there; the last checkpoint took [\d.]+ MB\); its unfinished "
+                            rf"files \([\d.]+ MB\) are removed: .* resume from {folder}/step_000001", str(error.value))
+        assert [path.name for path in disk.iterdir()] == ["step_000001"]
+        assert verify(disk / "step_000001") is None
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
 
 
 def test_dead_worker_is_named_and_the_last_checkpoint_resumes(ray_cluster, make_cfg, tmp_path):

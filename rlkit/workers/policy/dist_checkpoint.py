@@ -121,9 +121,8 @@ class BackgroundSave:
         if writing:
             return None
         request, self.request = self.request, None
-        if failed:
-            raise RuntimeError(f"writing the checkpoint failed on a rank: {self.error!r}" if self.error
-                               else "writing the checkpoint failed on another rank")
+        if failed:  # every rank names the same rank's error: whichever rank the controller hears first
+            raise RuntimeError(f"writing the checkpoint failed on {_first_error(self.error)}")
         for finalize in request.finalize_fns:  # global metadata; metadata.json
             finalize()
         if self.on_finished:
@@ -190,6 +189,14 @@ class BackgroundSave:
             self.error = e
             if results is not None:
                 results.put(e)
+
+
+def _first_error(own: BaseException | None) -> str:
+    """'rank <r>: <its error>' of the lowest rank whose write failed, on every rank. Collective."""
+    errors = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(errors, None if own is None else repr(own))
+    rank, error = next((rank, error) for rank, error in enumerate(errors) if error is not None)
+    return f"rank {rank}: {error}"
 
 
 def state_bytes(modules: list, optimizer) -> int:
