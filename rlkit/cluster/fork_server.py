@@ -12,7 +12,10 @@ standard streams. The worker registers with the raylet under its own pid; the cl
 does and exits with its status. Lifetimes are tied both ways: a worker dies with the server (by the
 kernel: PR_SET_PDEATHSIG), the server with the driver process (it holds a pipe's read end, whose
 write end only the driver has), a worker with its client (the server kills a worker whose client's
-connection closes), and a client exits when its worker does.
+connection closes), and a client exits when its worker does. The server (its workers with it) runs in
+a session of its own, out of the driver's process group as the local cluster's Ray processes are
+(rlkit/cluster/process_group.py): a signal to that group (a terminal's Ctrl-C) is the driver's to handle. A server's folder that a SIGKILL of both left behind
+is removed as the next server starts.
 
 Forking is safe only from a process that runs no Python thread, has run no parallel torch op and
 has not initialized CUDA's driver (a forked child could not use CUDA), and only if Ray was not
@@ -33,6 +36,7 @@ import os
 import random
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -46,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlkit.cluster.fork_client import SOCKET_ENV, WORKER_ENV
+from rlkit.observability.startup import without_wandb
 
 if TYPE_CHECKING:  # the server's own process imports nothing of rlkit's but its preload
     from rlkit.config.schema import ClusterConfig
@@ -64,6 +69,7 @@ PRELOAD = ("transformers.models.qwen2.modeling_qwen2", "transformers.models.llam
 GPU_PRELOAD = ("vllm.entrypoints.llm", "rlkit.workers.generation.vllm", "rlkit.workers.policy.megatron",
                "megatron.core.parallel_state", "megatron.core.tensor_parallel.random", "mbridge", "math_verify")
 _PR_SET_PDEATHSIG = 1
+DIRECTORY_PREFIX = "rlkit-fork-"  # a server's folder in the temporary one: rlkit-fork-<driver pid>-<random>
 CLIENT = Path(__file__).with_name("fork_client.py")
 
 
@@ -109,7 +115,9 @@ class ForkServer:
     def start(cls, preload: tuple[str, ...] | None = None, timeout_s: float = 30) -> "ForkServer":
         """Start the server and wait until it listens (it preloads afterwards, while clients queue).
         preload: module names, or module:function to call once imported (default: preload_here())."""
-        directory = Path(tempfile.mkdtemp(prefix="rlkit-fork-"))  # short: a socket path fits 107 bytes
+        _remove_stale_directories()
+        # named after this process, whose end ends the server; short: a socket path fits 107 bytes
+        directory = Path(tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-"))
         # the server's read end sees EOF when this process ends, however it ends (PR_SET_PDEATHSIG
         # would follow the thread that started the server, which may end first)
         lifeline_read, lifeline = os.pipe()
@@ -117,7 +125,10 @@ class ForkServer:
         env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         process = subprocess.Popen([sys.executable, "-m", "rlkit.cluster.fork_server", str(directory / "fork.sock"),
                                     str(lifeline_read), *(preload_here() if preload is None else preload)],
-                                   stdin=subprocess.DEVNULL, pass_fds=(lifeline_read,), env=env)
+                                   stdin=subprocess.DEVNULL, pass_fds=(lifeline_read,), env=env,
+                                   # out of the driver's process group, as the local cluster's Ray processes
+                                   # are (ray_runtime): its signal is the driver's alone to handle
+                                   start_new_session=True)
         os.close(lifeline_read)
         server = cls(process, directory, lifeline)
         atexit.register(server.stop)
@@ -151,6 +162,28 @@ class ForkServer:
         atexit.unregister(self.stop)
 
 
+def _remove_stale_directories() -> None:
+    """This user's server folders whose driver process has ended without removing them (a SIGKILL
+    that took the server with it, as one to a cgroup does)."""
+    for directory in Path(tempfile.gettempdir()).glob(f"{DIRECTORY_PREFIX}*-*"):
+        try:
+            owned, driver = directory.stat().st_uid == os.getuid(), int(directory.name.split("-")[2])
+        except (OSError, ValueError):  # removed meanwhile, or not named after a driver
+            continue
+        if owned and not _running(driver):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
 def _remove(socket_path: Path) -> None:
     """The socket and the folder made for it, where they are still there."""
     for remove in (socket_path.unlink, socket_path.parent.rmdir):
@@ -170,24 +203,20 @@ def _die_with_parent(parent: int) -> None:
 def preload(names: tuple[str, ...]) -> str | None:
     """Import names, with Ray and wandb kept out; returns why forking is unsafe after that, or None."""
     sys.modules.setdefault("ray", None)  # `import ray` raises ImportError while this placeholder is there
-    # megatron-core imports wandb for its inference engine's logging alone, which no worker uses: 0.4 s
-    # of CPU, and two temporary folders that this server and its workers (ending by os._exit) leave behind
-    keep_out_wandb = sys.modules.setdefault("wandb", None) is None
     gc.disable()  # nothing the imports make is garbage worth the full collections their growth would trigger
     try:
-        for name in names:
-            module, _, function = name.partition(":")
-            try:
-                imported = importlib.import_module(module)
-            except ImportError as error:  # an optional backend that is not installed: its workers import it
-                log.debug("fork server: not preloading %s: %s", module, error)
-                continue
-            if function:
-                getattr(imported, function)()
+        with without_wandb():  # megatron-core's
+            for name in names:
+                module, _, function = name.partition(":")
+                try:
+                    imported = importlib.import_module(module)
+                except ImportError as error:  # an optional backend that is not installed: its workers import it
+                    log.debug("fork server: not preloading %s: %s", module, error)
+                    continue
+                if function:
+                    getattr(imported, function)()
     finally:
         gc.enable()
-        if keep_out_wandb:  # a worker that wants wandb imports it
-            del sys.modules["wandb"]
     if sys.modules.get("ray") is not None:
         return "a preloaded module imported Ray"
     if _cuda_driver_initialized():

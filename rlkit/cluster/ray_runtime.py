@@ -1,5 +1,6 @@
 """Join the Ray cluster named by cluster.address / RAY_ADDRESS, or start a local one."""
 
+import functools
 import importlib.util
 import logging
 import os
@@ -16,10 +17,12 @@ from ray._private.node import Node
 
 from rlkit.cluster.fork_server import CLIENT, ForkServer, take_started_ahead
 from rlkit.cluster.fork_server import available as fork_server_available
+from rlkit.cluster.process_group import ProcessGroup
 from rlkit.config.schema import ClusterConfig, ConfigError
 
 log = logging.getLogger(__name__)
 _fork_server: ForkServer | None = None  # the local cluster's, while it runs
+_process_group: ProcessGroup | None = None  # the local cluster's processes', while it runs
 
 
 def join_or_start_ray(cfg: ClusterConfig) -> bool:
@@ -42,7 +45,7 @@ def join_or_start_ray(cfg: ClusterConfig) -> bool:
 
 def _start_local(cfg: ClusterConfig) -> None:
     """A cluster that listens on 127.0.0.1 only and runs no dashboard."""
-    global _fork_server
+    global _fork_server, _process_group
     try:
         _fork_server = take_started_ahead()  # a command's, started as it began
         if _fork_server is None and cfg.fork_workers and fork_server_available():
@@ -51,18 +54,19 @@ def _start_local(cfg: ClusterConfig) -> None:
         # has started: a forked one waits for the server's imports (vLLM's, on a GPU: 15-20 s),
         # which would keep the driver from its own start-up meanwhile. Workers start on demand.
         system_config = {"prestart_worker_first_driver": False} if _fork_server is not None else {}
-        with _local_node_settings(_fork_server):
+        _process_group = ProcessGroup()
+        with _local_node_settings(_fork_server, _process_group):
             # address="local" ignores a stale /tmp/ray/ray_current_cluster
             ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
                      object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True,
                      _system_config=system_config)
     except BaseException:
-        _stop_fork_server()
+        _stop_local_processes()
         raise
 
 
 @contextmanager
-def _local_node_settings(fork_server: ForkServer | None):
+def _local_node_settings(fork_server: ForkServer | None, process_group: ProcessGroup):
     """What ray.init cannot be told for a local node, set while it starts, restored after."""
     # Ray's servers (GCS, raylet, object manager, workers, agents, metrics) listen on loopback only
     # when the node IP is 127.0.0.1, but on Linux Ray replaces a loopback node IP by the machine's
@@ -89,11 +93,16 @@ def _local_node_settings(fork_server: ForkServer | None):
     # its setup_worker.py before each worker: 0.3 s of CPU apiece.)
     client_environment = fork_server.client_environment(_ray_worker_script()) if fork_server else {}
     os.environ.update(client_environment)
+    # Ray's processes (GCS, raylet, and the agents and workers the raylet starts) out of the driver's
+    # process group: its signals are the driver's to handle (rlkit/cluster/process_group.py)
+    console_popen = services.ConsolePopen
+    services.ConsolePopen = functools.partial(console_popen, process_group=process_group.pgid)
     try:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
         Node.start_api_server, Node.__init__ = start_api_server, node_init
+        services.ConsolePopen = console_popen
         token_log.removeFilter(_token_auth_notice)
         for name in client_environment:
             os.environ.pop(name, None)
@@ -152,7 +161,7 @@ def stop_local_ray(keep_logs: bool) -> None:
     every session folder in its temp directory forever."""
     session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
     ray.shutdown()
-    _stop_fork_server()
+    _stop_local_processes()
     if keep_logs:
         log.info("Ray's logs of this run are in %s", session_dir / "logs")
         return
@@ -162,11 +171,15 @@ def stop_local_ray(keep_logs: bool) -> None:
         latest.unlink()
 
 
-def _stop_fork_server() -> None:
-    global _fork_server
+def _stop_local_processes() -> None:
+    """The fork server, and what is left in the cluster's process group once Ray has stopped."""
+    global _fork_server, _process_group
     if _fork_server is not None:
         _fork_server.stop()
         _fork_server = None
+    if _process_group is not None:
+        _process_group.stop()
+        _process_group = None
 
 
 def device_kind() -> str:

@@ -6,10 +6,25 @@ and loads) and the driver adds them as the breakdown of its group's phase. The r
 once the first step starts, and the first row of metrics.jsonl holds every figure as
 timing/startup/<phase> (timing/startup/<group>/<part> for the workers' parts)."""
 
+import sys
 import time
 from contextlib import contextmanager
 
 import rlkit
+
+
+@contextmanager
+def without_wandb():
+    """Within: `import wandb` raises ImportError (unless it was imported before), as megatron-core's
+    modules import it, for logging no worker of rlkit's uses: 0.4 s of CPU, and two temporary
+    folders that a worker process, ending without Python's exit handlers, leaves behind. Imported
+    later, it is there."""
+    kept_out = sys.modules.setdefault("wandb", None) is None
+    try:
+        yield
+    finally:
+        if kept_out:
+            del sys.modules["wandb"]
 
 
 class PhaseTimes:

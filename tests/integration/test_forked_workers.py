@@ -1,7 +1,8 @@
 """A local cluster (cluster.fork_workers, the default) starts every Python worker through the fork
 server: a worker is the server's child, whether or not it has a runtime_env of its own (where Ray
 runs its setup_worker.py first), and neither it nor the driver keeps the client's settings; the
-cluster's start does not wait for the server's imports."""
+cluster's start does not wait for the server's imports; no process of the cluster's (Ray's, the server,
+the workers) is in the driver's process group, whose signals are the driver's to handle."""
 
 import os
 import subprocess
@@ -51,10 +52,16 @@ HELD_IMPORT = textwrap.dedent("""\
 STARTS_BEFORE_THE_IMPORTS = textwrap.dedent("""\
     import os
     from pathlib import Path
+    import psutil
     import ray
     from rlkit.cluster import fork_server, ray_runtime
     from rlkit.launch.config import load_config
     fork_server.preload_here = lambda: ("held_import",)  # the server's imports, held until released
+    def in_drivers_group(pid):
+        try:
+            return os.getpgid(pid) == os.getpgid(0)
+        except ProcessLookupError:  # ended meanwhile
+            return False
     cfg, _ = load_config("grpo_tiny_cpu", ["cluster.num_cpus=1", "cluster.object_store_mb=128"])
     fork_server.start_ahead(cfg.cluster)  # as a command begins
     try:
@@ -63,6 +70,8 @@ STARTS_BEFORE_THE_IMPORTS = textwrap.dedent("""\
         Path(os.environ["RELEASE"]).touch()
         parent = ray.get(ray.remote(num_cpus=0)(lambda: os.getppid()).remote(), timeout=120)
         print("a worker is the server's child:", parent == ray_runtime._fork_server.process.pid, flush=True)
+        started = psutil.Process().children(recursive=True)
+        print("in the driver's process group:", [p.name() for p in started if in_drivers_group(p.pid)], flush=True)
     finally:
         ray_runtime.stop_local_ray(keep_logs=False)
 """)
@@ -79,5 +88,6 @@ def test_a_local_cluster_starts_while_the_server_still_imports(tmp_path):
                          timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert not Path(f"{release}.timed_out").exists()
-    said = [line for line in ran.stdout.splitlines() if line.startswith(("started", "a worker"))]
-    assert said == ["started while the server imported: True", "a worker is the server's child: True"], ran.stdout
+    said = [line for line in ran.stdout.splitlines() if line.startswith(("started", "a worker", "in the driver"))]
+    assert said == ["started while the server imported: True", "a worker is the server's child: True",
+                    "in the driver's process group: []"], ran.stdout

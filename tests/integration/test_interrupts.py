@@ -1,6 +1,7 @@
-"""SIGTERM / SIGINT: the run says so in one line, checkpoints the step it was in (a second signal, or
+"""SIGTERM / SIGINT, to the driver or to its whole process group (a terminal's Ctrl-C, a batch
+system's cancel): the run says so in one line, checkpoints the step it was in (a second signal, or
 checkpoint.interrupt_grace_s running out, stops it at once without one), stops every process it
-started and removes its Ray session folder."""
+started, forked workers or not, and removes its Ray session folder and its temporary files."""
 
 import os
 import re
@@ -26,9 +27,10 @@ def started_run(out_dir, cache_dir, ray_dir, *overrides) -> subprocess.Popen:
                "checkpoint.every=0", "algorithm.val_every=100", "algorithm.prompts_per_step=8",
                "policy.train_global_batch_size=64", "algorithm.warm_start.sft_steps=4", f"run.output_dir={out_dir}",
                f"run.cache_dir={cache_dir}", "logger.plots=false", *overrides]
+    # a process group of its own (this test's is not signalled with it); its temporary files in ray_dir
     with open(out_dir / "stderr.txt", "w") as stderr:
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True,
-                                env={**os.environ, "RAY_TMPDIR": str(ray_dir)})
+                                env={**os.environ, "RAY_TMPDIR": str(ray_dir), "TMPDIR": str(ray_dir)})
 
 
 def wait_for(process, out_dir: Path, said: str, timeout_s=240):
@@ -40,34 +42,37 @@ def wait_for(process, out_dir: Path, said: str, timeout_s=240):
         time.sleep(0.1)
 
 
-def stopped_by(process, signum, out_dir: Path) -> str:
-    """Send signum to the run; returns the one line rlkit says, after checking the exit status, that
-    there is no traceback and that every process the run started is gone."""
+def stopped_by(process, signum, out_dir: Path, ray_dir: Path, to_group: bool) -> str:
+    """Send signum to the run's driver, or to its process group; returns the one line rlkit says, after
+    checking the exit status, that there is no traceback, that every process the run started is gone
+    and that it left no fork server socket or wandb folder in its temporary folder (ray_dir)."""
     driver = psutil.Process(process.pid)
     started = [driver, *driver.children(recursive=True)]
     assert any("raylet" in p.name() for p in started) and any("gcs_server" in p.name() for p in started)
-    os.kill(process.pid, signum)
+    (os.killpg if to_group else os.kill)(process.pid, signum)  # the group's id is the driver's pid
     process.wait(timeout=180)
     stderr = (out_dir / "stderr.txt").read_text()
     said = [line for line in stderr.splitlines() if line.startswith("rlkit:")]
     assert process.returncode == 128 + signum and len(said) == 1 and "Traceback" not in stderr, stderr[-3000:]
     gone, alive = psutil.wait_procs(started, timeout=15)
     assert not alive, [p.info for p in alive]
+    assert not [*ray_dir.glob("rlkit-fork-*"), *ray_dir.glob("*wandb*")]
     return said[0]
 
 
-@pytest.mark.parametrize("signum, grace_s", [(signal.SIGTERM, 300), (signal.SIGINT, 0.01)],
-                         ids=["SIGTERM checkpoints the step", "SIGINT past the grace period stops at once"])
-def test_a_signal_stops_the_run_cleanly(tmp_path, cache_dir, signum, grace_s):
+@pytest.mark.parametrize("signum, grace_s, to_group", [(signal.SIGINT, 300, True), (signal.SIGINT, 0.01, False)],
+                         ids=["Ctrl-C (SIGINT to the process group) checkpoints the step",
+                              "SIGINT to the driver past the grace period stops at once"])
+def test_a_signal_stops_the_run_cleanly(tmp_path, cache_dir, signum, grace_s, to_group):
     ray_dir = Path(tempfile.mkdtemp(prefix="rk"))  # short: Ray's socket paths must fit 107 characters
     process = started_run(tmp_path, cache_dir, ray_dir, f"checkpoint.interrupt_grace_s={grace_s}")
     try:
         wait_for(process, tmp_path, r"step +2/50")
-        said = stopped_by(process, signum, tmp_path)
+        said = stopped_by(process, signum, tmp_path, ray_dir, to_group)
         checkpoints = sorted((tmp_path / "grpo_tiny_cpu" / "checkpoints").glob("step_*"))
         if grace_s > 1:
-            step = int(re.match(r"rlkit: stopped by SIGTERM after step (\d+), checkpointed in .*; rerun the same "
-                                r"command to continue", said).group(1))
+            step = int(re.match(rf"rlkit: stopped by {signal.Signals(signum).name} after step (\d+), checkpointed in "
+                                r".*; rerun the same command to continue", said).group(1))
             assert [p.name for p in checkpoints] == [f"step_{step:06d}"] and verify(checkpoints[0]) is None
         else:
             assert said.startswith("rlkit: stopped during a step") and checkpoints == []
@@ -79,13 +84,14 @@ def test_a_signal_stops_the_run_cleanly(tmp_path, cache_dir, signum, grace_s):
 
 
 def test_a_signal_during_the_warm_start_stops_it_at_once(tmp_path, cache_dir):
-    """The warm start has no checkpoint to finish: the first signal stops it, and its cache stays unwritten."""
+    """The warm start has no checkpoint to finish: the first signal (SIGTERM to the process group, as
+    a batch system's cancel sends it; workers not forked) stops it, and its cache stays unwritten."""
     ray_dir, cached = Path(tempfile.mkdtemp(prefix="rk")), set(Path(cache_dir).glob("warm-start-*"))
     process = started_run(tmp_path, cache_dir, ray_dir, "algorithm.warm_start.sft_steps=100000",
-                          "algorithm.warm_start.batch_size=64")
+                          "algorithm.warm_start.batch_size=64", "cluster.fork_workers=false")
     try:
         wait_for(process, tmp_path, "warm start SFT step 10/")
-        said = stopped_by(process, signal.SIGTERM, tmp_path)
+        said = stopped_by(process, signal.SIGTERM, tmp_path, ray_dir, to_group=True)
         assert said == ("rlkit: stopped by SIGTERM during the warm start, which is not checkpointed (the next run "
                         "redoes it); rerun the same command to continue")
         assert set(Path(cache_dir).glob("warm-start-*")) == cached  # nothing cached, nothing half-written

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -84,6 +85,35 @@ def test_a_forked_worker_runs_as_the_client_would_and_its_status_comes_back(serv
 
 def wait_for_worker(process) -> psutil.Process:
     return psutil.Process(json.loads(process.stdout.readline())["pid"])
+
+
+def test_the_server_and_its_workers_are_out_of_the_drivers_process_group(server, script):
+    """A signal to the driver's process group (a terminal's Ctrl-C) is the driver's to handle: it
+    finishes its step with its workers still there."""
+    client = run_worker(server.socket, script, "sleep", "0", wait=False)
+    worker = wait_for_worker(client)
+    try:
+        assert os.getpgid(worker.pid) == os.getpgid(server.process.pid) != os.getpgid(0)
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_a_server_folder_left_by_an_ended_driver_is_removed_as_the_next_server_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    left, running, other = (tmp_path / f"rlkit-fork-{ended.pid}-x1", tmp_path / f"rlkit-fork-{os.getpid()}-x2",
+                            tmp_path / "rlkit-fork-other")
+    for directory in (left, running, other):
+        directory.mkdir()
+        (directory / "fork.sock").touch()
+    started = ForkServer.start(preload=("json",))
+    try:
+        assert not left.exists() and running.exists() and other.exists()
+        assert started.directory.name.startswith(f"rlkit-fork-{os.getpid()}-")
+    finally:
+        started.stop()
 
 
 def test_a_signal_to_the_client_reaches_its_worker(server, script):

@@ -32,7 +32,7 @@ from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.micro_batches import LENGTH_MASKS, micro_batches, restore_rows
 from rlkit.data.packing import packed_attention_mask
 from rlkit.observability.logprob_agreement import agreement_sums, reference_kl_sums
-from rlkit.observability.startup import PhaseTimes
+from rlkit.observability.startup import PhaseTimes, without_wandb
 from rlkit.refit.delta import EncodedBucket
 from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.refit.sender import RefitSender, sending_half
@@ -73,7 +73,7 @@ class MegatronModelWorker:
         buffers are allocated (pinned, on a GPU) ahead, after the first optimizer step (dist_checkpoint.py)."""
         self.startup = PhaseTimes()
         torch.set_num_threads(threads)
-        with self.startup.phase("megatron_imports"):
+        with self.startup.phase("megatron_imports"), without_wandb():
             if not ON_GPU:
                 from rlkit.workers.policy import cpu_compat
                 cpu_compat.enable()
