@@ -115,6 +115,9 @@ def compose_recipe(name: str, overrides: list[str], recipes_dir: Path = RECIPES_
             if isinstance(section, DictConfig) and (not at or key.startswith(f"{at}.")):
                 raise _unknown_key(key, section, at) from None
             raise _unknown_key(key, compose_recipe(name, [], recipes_dir)) from None
+        options = re.search(r"Available options in '[^']+':\n((?:\t.*\n)+)", str(e))
+        if options:  # a config group's option that does not exist: Hydra lists the others below its first line
+            first += f"; pick one of: {', '.join(options.group(1).split())}"
         raise ConfigError(f"recipe '{name}': {first}") from None
     finally:
         GlobalHydra.instance().clear()

@@ -130,7 +130,8 @@ def test_a_report_is_never_written_over_a_file(hf_model):
     ("model", {"recipe": None}, "--config-name: .*model is an HF model, so a recipe must say"),
     ("model", {"recipe": "sft_tiny_cpu"}, "algorithm.name: sft generates nothing"),
     ("model", {"data": "no_such_rows.jsonl"}, "--data: no_such_rows.jsonl: no such file"),
-    ("model", {"overrides": ["data=no_such_preset"]}, "recipe 'grpo_tiny_cpu': .*no_such_preset"),
+    ("model", {"overrides": ["data=no_such_preset"]},
+     "recipe 'grpo_tiny_cpu': .*Could not find 'data/no_such_preset'; pick one of: arithmetic, .*gsm8k"),
     ("model", {"out": "no_such_folder/report.json"}, "--out: the folder .*no_such_folder does not exist"),
 ], ids=["missing", "not-a-model", "run-folder", "k-above-n", "k-without-n", "n-zero", "hf-without-recipe",
         "sft-recipe", "missing-data-file", "unknown-preset", "out-folder-missing"])
