@@ -28,9 +28,8 @@ from rlkit.checkpoint import verify
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.files import missing_file
 from rlkit.launch.config import RECIPES_DIR, compose_recipe, load_config, to_typed, validate
-from rlkit.models.resolve import resolve_model_dir
 from rlkit.observability.evaluation import mean_pass_at_k, parse_ks
-from rlkit.workers.policy.adapter_base import check_base, recorded_base
+from rlkit.workers.policy.adapter_base import restored_base
 
 log = logging.getLogger("rlkit")
 
@@ -108,16 +107,6 @@ def _checkpoint_config(checkpoint: Path, recipe: str | None, overrides: list[str
     cfg = to_typed(raw)
     validate(cfg)
     return cfg, restored_base(checkpoint, to_typed(saved), "model")
-
-
-def restored_base(checkpoint: Path, saved: RootConfig, key: str) -> Path:
-    """The HF directory a checkpoint's policy is rebuilt on before the checkpoint is restored over
-    it (saved: the run's config): the run's model, or for adapters (policy.peft) the base they were
-    trained on, checked to hold the same weights."""
-    base = recorded_base(checkpoint / "policy")
-    model_dir = resolve_model_dir(saved) if base is None else Path(base)
-    check_base(checkpoint / "policy", str(model_dir), base is not None, key)
-    return model_dir
 
 
 def _with_rows(cfg: RootConfig, data_file: str | None) -> RootConfig:

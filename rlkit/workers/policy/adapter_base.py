@@ -8,7 +8,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from rlkit.config.schema import ConfigError
+from rlkit.config.schema import ConfigError, RootConfig
+from rlkit.models.resolve import resolve_model_dir
 
 RECORD = "base.json"
 
@@ -51,3 +52,13 @@ def check_base(checkpoint_dir: Path, hf_dir: str, with_adapters: bool, key: str)
         raise ConfigError(f"{key}: the adapters in {checkpoint_dir} were trained on the weights of {saved['hf_dir']}, "
                           f"and the base here ({hf_dir}) has other weights; restore that checkpoint (a cached warm "
                           f"start is rebuilt only by the run that wrote it) or start a new run")
+
+
+def restored_base(checkpoint: Path, saved: RootConfig, key: str) -> Path:
+    """The HF directory a checkpoint's policy is rebuilt on before the checkpoint is restored over
+    it (saved: the run's config): the run's model, or for adapters (policy.peft) the base they were
+    trained on, checked to hold the same weights."""
+    base = recorded_base(checkpoint / "policy")
+    model_dir = resolve_model_dir(saved) if base is None else Path(base)
+    check_base(checkpoint / "policy", str(model_dir), base is not None, key)
+    return model_dir
