@@ -28,6 +28,7 @@ from rlkit.config.schema import ConfigError, RootConfig
 
 FREE, CHOICE, NEVER = "free", "choice", "never"
 
+# (pattern, kind) by dotted key: the first pattern a key matches decides; one matching none needs the choice
 RULES = [
     ("run.name", FREE), ("run.output_dir", FREE), ("run.cache_dir", FREE),
     ("cluster.placement", CHOICE), ("cluster.*", FREE),
@@ -69,6 +70,7 @@ def changes(saved: DictConfig, now: DictConfig) -> list[Change]:
 
 
 def kind_of(key: str, hf_checkpoint: bool = False) -> str:
+    """FREE, CHOICE or NEVER for a dotted key of a checkpoint saved in format hf (hf_checkpoint) or dist."""
     if hf_checkpoint and any(fnmatchcase(key, pattern) for pattern in HF_LAYOUT):
         return NEVER
     return next((kind for pattern, kind in RULES if fnmatchcase(key, pattern)), CHOICE)
