@@ -19,9 +19,8 @@ def test_the_pages_hold_the_commands_this_checks():
 
 
 def test_a_command_naming_an_earlier_run_changes_nothing_it_trains():
-    configs = {}  # by the command's words: a command repeated on another page is the same run
-    for command in COMMANDS:
-        configs.setdefault(command.args, compose_recipe(command.recipe, command.overrides))
+    unique = {c.args: c for c in COMMANDS}  # a command repeated on another page is the same run
+    configs = {args: compose_recipe(c.recipe, c.overrides) for args, c in unique.items()}
     refused = []
     for later, command in enumerate(COMMANDS):
         config = configs[command.args]
