@@ -11,6 +11,13 @@ WANTED=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 # compiled by each process that imports them, and every one compiles them again where
 # PYTHONDONTWRITEBYTECODE is set (0.3-0.5 s of CPU per worker process). Stale ones are redone.
 compile_rlkit() { .venv/bin/python -m compileall -q rlkit >/dev/null; }
+# a command's output only if it fails (apt-get's notes, e.g. debconf's "delaying package configuration")
+quietly() {
+  local log
+  log=$(mktemp)
+  "$@" >"$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; return 1; }
+  rm -f "$log"
+}
 if [ -x .venv/bin/rlkit ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANTED" ] && command -v bwrap >/dev/null; then
   compile_rlkit
   exit 0
@@ -32,7 +39,8 @@ fi
 # bubblewrap is the code sandbox's isolation (rlkit/envs/sandbox.py); code rewards refuse to run without it
 if ! command -v bwrap >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get install -y -q bubblewrap >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }
+    # the first try fails where the package lists are stale; a failure after updating them is shown
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { quietly apt-get update -q && quietly apt-get install -y -q bubblewrap; }
   else
     echo "setup: install bubblewrap (e.g. sudo apt-get install bubblewrap) for code rewards" >&2
   fi
