@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -240,6 +241,43 @@ def test_a_hung_tool_is_killed_with_what_it_started_and_the_next_call_runs(tmp_p
     assert box.call(ToolCall("add", {"a": 1}, "")).content == "2.0"  # in a fresh tool process
     assert box.process.pid not in (None, tool_pid)
     box.process.stop()
+
+
+KILLED_WORKER = """
+import os, subprocess, sys, threading
+from pathlib import Path
+from rlkit.envs.tools import ToolBox, ToolCall
+
+def hangs(pid_file: str) -> str:
+    \"\"\"Start a subprocess, write down both process ids, and never return.
+
+    Args:
+        pid_file: where to write them
+    \"\"\"
+    child = subprocess.Popen(["sleep", "600"])
+    Path(pid_file).write_text(f"{os.getpid()} {child.pid}")
+    threading.Event().wait()
+
+ToolBox([hangs], timeout_s=600).call(ToolCall("hangs", {"pid_file": sys.argv[1]}, ""))
+"""
+
+
+def test_a_killed_worker_takes_its_tool_process_along(tmp_path):
+    """A worker killed mid-call (ray.kill of a stuck environment worker) leaves no tool process
+    behind, nor what the tool started."""
+    pid_file = tmp_path / "pids"
+    worker = subprocess.Popen([sys.executable, "-c", KILLED_WORKER, str(pid_file)])
+    try:
+        for _ in range(600):  # the tool has started (seconds on a loaded machine)
+            if pid_file.exists() and len(pid_file.read_text().split()) == 2:
+                break
+            time.sleep(0.05)
+        tool_pid, its_child = map(int, pid_file.read_text().split())
+        assert running(tool_pid) and running(its_child)
+    finally:
+        worker.kill()
+        worker.wait()
+    assert gone_soon(tool_pid) and gone_soon(its_child)
 
 
 def exits(code: int) -> str:
