@@ -115,6 +115,8 @@ def as_env_step(value: Any, multi_turn_allowed: bool = True) -> EnvStep:
         raise MalformedStepError(f"expected EnvStep or a number, got {type(value).__name__}: {value!r:.200}")
     if not isinstance(step.reward, (int, float)) or isinstance(step.reward, bool) or step.reward != step.reward:
         raise MalformedStepError(f"EnvStep.reward must be a finite number, got {step.reward!r:.100}")
+    if step.faults is not None and not (isinstance(step.faults, list) and all(isinstance(f, str) for f in step.faults)):
+        raise MalformedStepError(f"EnvStep.faults must be a list of strings, got {step.faults!r:.200}")
     if not step.done:
         tools = step.tool_messages
         if tools is not None and not (isinstance(tools, list) and tools and all(

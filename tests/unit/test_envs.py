@@ -86,7 +86,8 @@ def test_guess_sum_feedback_and_discount():
 
 
 @pytest.mark.parametrize("value", ["1.0", True, None, {"reward": 1}, float("nan"),
-                                   EnvStep(reward=1.0, done=False)])  # not done needs an observation
+                                   EnvStep(reward=1.0, done=False),  # not done needs an observation
+                                   EnvStep(reward=1.0, done=True, faults="a tool hung")])  # a list of lines
 def test_malformed_returns_are_rejected(value):
     with pytest.raises(MalformedStepError):
         as_env_step(value)
