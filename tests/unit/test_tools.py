@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -240,6 +241,16 @@ def test_a_hung_tool_is_killed_with_what_it_started_and_the_next_call_runs(tmp_p
     assert gone_soon(its_child)  # the tool's own subprocess: killed with its process group
     assert box.call(ToolCall("add", {"a": 1}, "")).content == "2.0"  # in a fresh tool process
     assert box.process.pid not in (None, tool_pid)
+    box.process.stop()
+
+
+def test_calls_from_two_threads_get_their_own_replies():
+    """A step abandoned at env_runner.timeout_s may still be in a call when the next step makes one."""
+    box = ToolBox([hangs, add], timeout_s=1)
+    with ThreadPoolExecutor(2) as pool:
+        hung = pool.submit(box.call, ToolCall("hangs", {"seconds": 30}, ""))
+        added = pool.submit(box.call, ToolCall("add", {"a": 1}, ""))
+        assert hung.result().failure == "timeout" and added.result().content == "2.0"
     box.process.stop()
 
 

@@ -9,7 +9,8 @@ pickle, and the child starts with everything the worker has imported.
 
 What this means for tools: a tool's changes to Python state stay in the child (score() does not
 see them) and are lost when the child is killed; keep an episode's state in its messages and
-metadata, as every environment must (docs/environments.md).
+metadata, as every environment must (docs/environments.md). A forked child cannot use a CUDA
+context its parent opened: a tool that needs a GPU opens its own.
 """
 
 import multiprocessing
@@ -41,8 +42,14 @@ class ToolProcess:
     def __init__(self, tools: dict[str, Callable], as_text: Callable[[object], str]):
         self.tools, self.as_text = tools, as_text
         self.process, self.pipe = None, None
+        # one call at a time on the pipe: a step abandoned at env_runner.timeout_s may still be in one
+        self._lock = threading.Lock()
 
     def call(self, name: str, arguments: dict, timeout_s: float) -> Reply:
+        with self._lock:
+            return self._call(name, arguments, timeout_s)
+
+    def _call(self, name: str, arguments: dict, timeout_s: float) -> Reply:
         if self.process is None or not self.process.is_alive():
             self._start()
         start = time.perf_counter()
