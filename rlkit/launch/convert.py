@@ -73,11 +73,12 @@ def export_hf(checkpoint_dir: Path, out_dir: Path, merged: bool = False) -> Expo
     `merged` that base with the adapters merged in. The policy is rebuilt as the run had it (its
     saved config), loads the checkpoint and writes through the bridge; no offline converter."""
     conversion = checked_conversion(checkpoint_dir, out_dir, merged)
-    partial = _partial_dir(out_dir)
+    target = out_dir.resolve()  # "." or "x/..": a name to put a folder beside
+    partial = _partial_dir(target)
     try:
         _write(conversion, checkpoint_dir, partial)
         sizes = [p.stat().st_size for p in partial.rglob("*") if p.is_file()]
-        os.replace(partial, out_dir)  # onto an empty folder too; checked above that it is one
+        os.replace(partial, target)  # onto an empty folder too; checked above that it is one
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
