@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from rlkit.config.schema import ConfigError
 from rlkit.launch.config import RECIPES_DIR, load_config, recipe_names
+from rlkit.observability import console
 
 
 def _validation_summary(history: list[dict]) -> str:
@@ -29,6 +30,7 @@ def _train(args) -> int:
     if args.cfg == "job":
         sys.stdout.write(OmegaConf.to_yaml(resolved, resolve=True))
         return 0
+    console.log_run_in(Path(cfg.run.output_dir) / cfg.run.name)
     from rlkit.cluster.fork_server import start_ahead
 
     start_ahead(cfg.cluster)  # its imports overlap the driver's
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if rest:
         args.overrides += rest
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    console.setup()
     if not (sys.stdout.isatty() and sys.stderr.isatty()):
         # a log file: Ray colours the "[repeated Nx across cluster]" it puts in place of the lines
         # its workers repeat, and says so at length; it gets each worker's line instead, plain.

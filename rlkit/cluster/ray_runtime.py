@@ -13,22 +13,26 @@ from pathlib import Path
 
 import ray
 from ray._private import ray_constants, services
+from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
 from ray._private.node import Node
 
 from rlkit.cluster.fork_server import CLIENT, ForkServer, take_started_ahead
 from rlkit.cluster.fork_server import available as fork_server_available
 from rlkit.cluster.process_group import ProcessGroup
 from rlkit.config.schema import ClusterConfig, ConfigError
+from rlkit.observability import console
 
 log = logging.getLogger(__name__)
 _fork_server: ForkServer | None = None  # the local cluster's, while it runs
 _process_group: ProcessGroup | None = None  # the local cluster's processes', while it runs
+TOKEN_ENV = "RAY_AUTH_TOKEN"
 
 
 def join_or_start_ray(cfg: ClusterConfig) -> bool:
     """Returns True if this call started a local cluster (the caller shuts it down)."""
     if ray.is_initialized():
         return False
+    console.route_ray_output()
     if not (sys.stdout.isatty() and sys.stderr.isatty()):  # a log file: no colour codes in the
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # "(Worker pid=...)" prefix the driver prints
     joining = cfg.address_to_join()
@@ -54,6 +58,7 @@ def _start_local(cfg: ClusterConfig) -> None:
         # has started: a forked one waits for the server's imports (vLLM's, on a GPU: 15-20 s),
         # which would keep the driver from its own start-up meanwhile. Workers start on demand.
         system_config = {"prestart_worker_first_driver": False} if _fork_server is not None else {}
+        _own_token()
         _process_group = ProcessGroup()
         with _local_node_settings(_fork_server, _process_group):
             # address="local" ignores a stale /tmp/ray/ray_current_cluster
@@ -106,6 +111,16 @@ def _local_node_settings(fork_server: ForkServer | None, process_group: ProcessG
         token_log.removeFilter(_token_auth_notice)
         for name in client_environment:
             os.environ.pop(name, None)
+
+
+def _own_token() -> None:
+    """The local cluster's authentication token, in the environment its processes inherit: Ray turns
+    token authentication on for a new cluster and, where no token is set, saves a new one to
+    ~/.ray/auth_token, which every later cluster of the user's then shares. A token of the user's
+    (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH) is kept, and so is this one for the process's later local
+    clusters: Ray's driver keeps the first token it reads."""
+    if not {TOKEN_ENV, "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
+        os.environ[TOKEN_ENV] = generate_new_authentication_token()
 
 
 def _local_params(ray_params, fork_server: ForkServer | None):

@@ -50,9 +50,13 @@ OPTIMIZER_CHECKPOINT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable
 # Expected, and otherwise repeated by every worker process: megatron-core's PyTorch fallbacks when
 # Apex / TransformerEngine are absent (the driver says so once: optional_kernels_missing), the
 # "full" cuda_graph_scope that mbridge's configs still name (graphs are off), and mbridge's note
-# that a checkpoint saved from a single-file model has no safetensors index (none is needed).
+# that a checkpoint saved from a single-file model has no safetensors index (none is needed). And
+# PyTorch's deprecation of the ShardedTensor and dcp.load_state_dict that megatron-core 0.16's
+# torch_dist load strategy is built on (a resume, `rlkit convert`); the CPU path's TorchFunctionMode
+# (cpu_compat) is only where the first is reported from, as the frame that calls into ShardedTensor.
 for _expected in (r".*(Apex|Transformer Engine).* (is|are) not installed", r"full scope is deprecated",
-                  r"No index file found"):
+                  r"No index file found", r"Please use DTensor instead and we are deprecating ShardedTensor",
+                  r"`load_state_dict` is deprecated"):
     warnings.filterwarnings("ignore", message=_expected)
 
 
