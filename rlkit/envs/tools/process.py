@@ -60,9 +60,7 @@ class ToolProcess:
         try:
             value, error, where = self.pipe.recv()
         except EOFError:  # the tool ended its own process (os._exit, a signal, a crash in native code)
-            self.process.join()
-            value, error, where = None, f"nothing: its process ended with exit code {self.process.exitcode}", ""
-            self.process = None
+            value, error, where = None, f"nothing: its process ended with exit code {self.stop()}", ""
         seconds = time.perf_counter() - start
         return Reply(value, seconds=seconds) if error is None else Reply(None, "raised", error, where, seconds)
 
@@ -71,17 +69,18 @@ class ToolProcess:
         """The child's process id while it runs."""
         return self.process.pid if self.process is not None else None
 
-    def stop(self) -> None:
-        """Kill the child and everything it started, and reap it."""
+    def stop(self) -> int | None:
+        """Kill the child and everything it started, and reap it; its exit code (None: none ran)."""
         if self.process is None:
-            return
+            return None
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:  # not its own group yet (killed as it started): kill it alone
             self.process.kill()
         self.process.join()
         self.pipe.close()
-        self.process, self.pipe = None, None
+        code, self.process, self.pipe = self.process.exitcode, None, None
+        return code
 
     def _start(self) -> None:
         self.pipe, child_end = _FORK.Pipe()
