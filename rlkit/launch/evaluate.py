@@ -179,7 +179,7 @@ def evaluate(plan: EvalPlan, pool=None) -> dict:
     data = load_prompts(cfg, tokenizer)  # bad rows stop here, before any worker starts
     check_prompts(cfg, data, tokenizer)
     renderer = prompt_renderer(cfg, tokenizer)
-    sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, cfg.run.seed)
+    sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, cfg.run.seed, g.ignore_eos)
     workers = start_workers(cfg, str(plan.model_dir), pool=pool)
     envs = None
     try:
