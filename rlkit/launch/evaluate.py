@@ -200,7 +200,7 @@ def evaluate(plan: EvalPlan, pool=None) -> dict:
                   "data": cfg.data.val_path, "env": cfg.env["_target_"], "generation": g.backend,
                   "greedy": _figures(greedy.summary("greedy"), "greedy")}
         if plan.n is not None:
-            log.info("eval: %d samples of each prompt at temperature %g", plan.n, g.temperature)
+            log.info("eval: sampling each prompt --n %d times at temperature %g", plan.n, g.temperature)
             sampled = scored(sampling, plan.n)
             verdicts = (sampled.correct == 1).view(len(data.val), plan.n).tolist()  # no verdict: not correct
             report["sampled"] = {"n": plan.n, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
