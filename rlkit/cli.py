@@ -88,8 +88,8 @@ def _eval(args) -> int:
     plan = plan_eval(args.model, args.config_name, args.overrides, args.n, args.k, args.data, args.out,
                      Path(args.config_dir))
     report = evaluate(plan)
+    print(report_table(report))  # first: the figures are on screen even if the report cannot be written
     write_report(report, plan.out)
-    print(report_table(report))
     print(f"report: {plan.out}")
     return 0
 

@@ -7,8 +7,8 @@ What is scored: an HF model directory (config.json), with a recipe for everythin
 model; or an rlkit checkpoint (outputs/<run>/checkpoints/step_NNNNNN, either save format, or a
 policy.peft run's adapters), whose policy is rebuilt as its run had it (its config.yaml) and
 loads the checkpoint. Either way the policy's weights reach the generation workers by a refit,
-as in a run: nothing is written to disk. The rows
-are the data section's validation split, or the rows of --data FILE.
+as in a run: nothing is written to disk. The rows are the data section's validation split, or
+the rows of --data FILE.
 
 Everything the user gave is checked here before any worker starts (plan_eval); Ray and torch
 are imported only by evaluate(), so the CLI's errors come at once."""
@@ -137,7 +137,9 @@ def _report_path(model: Path, out: str | None) -> Path:
         names = (f"{model.name}.eval{'' if i == 1 else f'-{i}'}.json" for i in range(1, 10_000))
         path = next(model.parent / name for name in names if not (model.parent / name).exists())
     try:
-        os.remove(tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)[1])
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+        os.remove(probe)
     except OSError as e:
         raise ConfigError(f"--out: cannot write to {path.parent} ({e.strerror}); give a path in a folder you can "
                           f"write to") from None
