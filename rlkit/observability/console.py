@@ -118,12 +118,13 @@ def route_ray_output() -> None:
         return
 
     def print_rlkits(data: dict, ignore_prefix: bool) -> None:
-        lines = data.get("lines", [])
-        name = data.get("actor_name") or data.get("task_name") or "worker"
-        for line in lines:
-            logging.getLogger(WORKER_LINES).info("(%s pid=%s) %s", name, data.get("pid"), line)
+        lines, pid = data.get("lines", []), data.get("pid")
         # Ray's own notices (a worker killed for memory, say) are the cluster's health, shown whole
-        system = data.get("pid") in ("raylet", "autoscaler")
+        system = pid in ("raylet", "autoscaler")
+        name = data.get("actor_name") or data.get("task_name")
+        prefix = f"({pid})" if system else f"({name} pid={pid})" if name else f"(pid={pid})"  # as Ray's
+        for line in lines:
+            logging.getLogger(WORKER_LINES).info("%s %s", prefix, line)
         shown = lines if system else console_lines(lines, data.get("is_err", False))
         if shown:
             print_lines({**data, "lines": shown}, ignore_prefix)
