@@ -21,6 +21,8 @@ QUIET_PROGRESS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROG
 WARNING_LINE = re.compile(r"^(?P<path>.+?):\d+: \w*Warning: ")
 # what rlkit's worker code prints: "[policy] refit export: ...", "rlkit fork server: ..."
 RLKIT_WORKER_LINE = re.compile(r"\[\w[\w-]*\] |rlkit\b")
+# an error a library logs to standard output (vLLM's logger writes there), shown whoever wrote it
+ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL|FATAL)\b|^Traceback \(most recent call last\)")
 # the loggers whose records are rlkit's: its own, and the warnings that rlkit's code raises
 RLKIT_LOGGER = "rlkit"
 THIRD_PARTY_WARNINGS = "py.warnings"
@@ -135,7 +137,7 @@ def route_ray_output() -> None:
 
 def console_lines(lines: list[str], is_err: bool) -> list[str]:
     """Which of a batch of lines a worker printed reach the console: on stdout, rlkit's own
-    (RLKIT_WORKER_LINE); on stderr, all but Python warnings that rlkit's
+    (RLKIT_WORKER_LINE) and errors (ERROR_LINE); on stderr, all but Python warnings that rlkit's
     code did not raise (the warning line and its indented source line) and progress bars."""
     shown, in_warning = [], False
     for line in lines:
@@ -147,7 +149,7 @@ def console_lines(lines: list[str], is_err: bool) -> list[str]:
         if is_err:
             keep = not in_warning and "\r" not in line
         else:
-            keep = RLKIT_WORKER_LINE.match(line) is not None
+            keep = RLKIT_WORKER_LINE.match(line) is not None or ERROR_LINE.search(line) is not None
         if keep:
             shown.append(line)
     return shown

@@ -47,7 +47,8 @@ def test_console_has_rlkits_lines_and_errors_the_run_log_everything(tmp_path):
 
 def test_worker_lines_on_the_console_are_rlkits_and_errors():
     stdout = [" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): 533632",
-              "[policy] refit export: direct row copies from the parameters", "rlkit fork server: note"]
+              "[policy] refit export: direct row copies from the parameters", "rlkit fork server: note",
+              "ERROR 11-28 17:40:00 [core.py:7] EngineCore failed to start."]
     assert console_lines(stdout, is_err=False) == stdout[1:]
     stderr = ["/venv/site-packages/megatron/core/x.py:799: FutureWarning: `load_state_dict` is deprecated",
               "  checkpoint.load_state_dict(",
