@@ -23,7 +23,7 @@ from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.files import foreign_file, is_local, missing_file
 from rlkit.data.synthetic import generated_sets, refused
 from rlkit.envs.base import Environment, import_target, load_environment
-from rlkit.envs.tools import ToolEnvironment
+from rlkit.envs.tools import ToolDefinitionError, ToolEnvironment
 
 if TYPE_CHECKING:  # torch and Ray: check_config runs as a config loads
     from rlkit.algorithms.loop import TrainingData
@@ -168,7 +168,10 @@ def _check_tool_budgets(cfg: RootConfig, tokenizer) -> None:
     tool would time out its whole step before its own limit stops it."""
     g, r = cfg.generation, cfg.env_runner
     env = load_environment(cfg.env["_target_"], {k: v for k, v in cfg.env.items() if k != "_target_"})
-    call = env.shortest_tool_call()
+    try:
+        call = env.shortest_tool_call()  # builds the toolbox: the tools' schemas, not read with the config
+    except ToolDefinitionError as e:
+        raise ConfigError(f"env._target_: {cfg.env['_target_']}.{e.attribute}: {e}") from None
     if call is not None:
         tokens = len(tokenizer(call, add_special_tokens=False)["input_ids"])
         key, budget = min(("generation.max_new_tokens", g.max_new_tokens),

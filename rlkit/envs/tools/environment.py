@@ -18,7 +18,7 @@ from typing import Callable
 from rlkit.envs.base import Environment, EnvStep
 from rlkit.envs.tools.parsing import load_parser
 from rlkit.envs.tools.schema import ToolDefinitionError
-from rlkit.envs.tools.toolbox import ToolBox, tool_metrics
+from rlkit.envs.tools.toolbox import ToolBox, check_tools, tool_metrics
 
 # the shortest value of each JSON schema type: a call's arguments at their shortest
 _SHORTEST = {"string": "", "integer": 0, "number": 0, "boolean": False, "array": [], "object": {}}
@@ -46,10 +46,13 @@ class ToolEnvironment(Environment):
     @classmethod
     def check_arguments(cls, **kwargs) -> str | None:
         """The environment built with these arguments, its tools, parser and time limit checked as
-        the worker will build them: the first problem, one line naming the key, or None."""
+        the worker will build them (all but the tools' schemas, read once the run has started:
+        check_prompts): the first problem, one line naming the key, or None."""
         name = f"{cls.__module__}.{cls.__qualname__}"
         try:
-            cls(**kwargs).toolbox
+            env = cls(**kwargs)
+            load_parser(env.parser)
+            check_tools(env.tools(), env.tool_timeout_s)
         except ToolDefinitionError as e:
             key = f"env.{e.attribute}" if e.attribute in kwargs else f"env._target_: {name}.{e.attribute}"
             return f"{key}: {e}"

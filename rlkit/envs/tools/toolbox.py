@@ -53,18 +53,9 @@ class ToolBox:
     """The tools one environment offers, by name, with their schemas."""
 
     def __init__(self, tools: list[Callable], timeout_s: float = 10.0, max_result_chars: int = 2000):
-        check_timeout(timeout_s)
-        for fn in tools:
-            if not callable(fn):
-                raise ToolDefinitionError("tools()", f"{fn!r:.60} is not a function (got: {type(fn).__name__}); "
-                                                     f"offer functions or bound methods")
+        check_tools(tools, timeout_s)
         self.schemas = [tool_schema(fn) for fn in tools]  # refuses an undescribable tool now
         self.tools = {fn.__name__: fn for fn in tools}
-        if len(self.tools) != len(tools):
-            names = [fn.__name__ for fn in tools]
-            twice = sorted({name for name in names if names.count(name) > 1})
-            raise ToolDefinitionError("tools()", f"two tools are named {', '.join(twice)} (got: {', '.join(names)}); "
-                                                 f"give each tool a name of its own")
         self.signatures = {name: inspect.signature(fn, eval_str=True) for name, fn in self.tools.items()}
         self.timeout_s, self.max_result_chars = timeout_s, max_result_chars
         self.process = ToolProcess(self.tools, self._text)
@@ -109,6 +100,25 @@ class ToolBox:
         if len(text) > self.max_result_chars:
             text = text[:self.max_result_chars] + f"... [{len(text) - self.max_result_chars} more characters]"
         return text
+
+
+def check_tools(tools: list[Callable], timeout_s: float) -> None:
+    """What a ToolBox refuses short of the tools' JSON schemas (transformers' reading, which
+    imports torch): checked with the config, where the CLI answers without torch."""
+    check_timeout(timeout_s)
+    for fn in tools:
+        if not callable(fn):
+            raise ToolDefinitionError("tools()", f"{fn!r:.60} is not a function (got: {type(fn).__name__}); "
+                                                 f"offer functions or bound methods")
+        if not inspect.getdoc(fn):
+            raise ToolDefinitionError("tools()", f"tool {fn.__name__}: no docstring, so the model is never told "
+                                                 f"what it does; give it a type hint on every parameter and a "
+                                                 f"docstring with a first line and an Args: line per parameter")
+    names = [fn.__name__ for fn in tools]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ToolDefinitionError("tools()", f"two tools are named {', '.join(twice)} (got: {', '.join(names)}); "
+                                             f"give each tool a name of its own")
 
 
 def check_timeout(timeout_s) -> None:
