@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluation.add_argument("model", help="an HF model directory or a checkpoint (.../checkpoints/step_NNNNNN)")
     evaluation.add_argument("--config-name", help="recipe for data, env and generation (a checkpoint's own run "
                                                   "config by default; required for an HF model)")
-    evaluation.add_argument("--config-dir", default=str(RECIPES_DIR), help="directory of recipes")
+    evaluation.add_argument("--config-dir", "--config-path", default=str(RECIPES_DIR), help=RECIPES_HELP)
     evaluation.add_argument("--data", help="a .jsonl/.json/.parquet file of rows to score instead of the data "
                                            "section's validation split")
     evaluation.add_argument("--n", type=int, help="samples per prompt for pass@k (default: greedy only)")
