@@ -13,6 +13,7 @@ is within noise.
 
 import contextlib
 import logging
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -124,5 +125,8 @@ def enable():
     fused_softmax.get_default_causal_mask = causal_mask
     # The CUDA and CPU RNG are one generator here, which megatron's RNG tracker warns about.
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
+    # megatron's tensor-parallel layers advise CUDA_DEVICE_MAX_CONNECTIONS=1 for CUDA's streams: none here
+    warnings.filterwarnings("ignore", message=r"When using (sequence parallelism|async grad allreduce) it is "
+                                              r"recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS")
     _mode = _CudaAsCpu()
     _mode.__enter__()
