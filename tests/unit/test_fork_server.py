@@ -99,7 +99,9 @@ def test_the_server_and_its_workers_are_out_of_the_drivers_process_group(server,
         client.wait()
 
 
-def test_a_server_folder_left_by_an_ended_driver_is_removed_as_the_next_server_starts(tmp_path, monkeypatch):
+def test_a_server_folder_left_by_an_ended_driver_is_removed_as_the_next_server_starts(monkeypatch):
+    # a short folder: under xdist pytest's tmp_path would put the server's socket past 107 bytes
+    tmp_path = Path(tempfile.mkdtemp(prefix="fs-"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     ended = subprocess.Popen(["true"])
     ended.wait()
@@ -114,6 +116,7 @@ def test_a_server_folder_left_by_an_ended_driver_is_removed_as_the_next_server_s
         assert started.directory.name.startswith(f"rlkit-fork-{os.getpid()}-")
     finally:
         started.stop()
+        shutil.rmtree(tmp_path)
 
 
 def test_a_signal_to_the_client_reaches_its_worker(server, script):
