@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from rlkit.config.schema import ConfigError
 from rlkit.launch.config import RECIPES_DIR, load_config, recipe_names
+from rlkit.launch.interrupts import STARTING, Stopped, stop_at_once_on_signals
 from rlkit.observability import console
 
 
@@ -36,6 +37,7 @@ def _train(args) -> int:
     start_ahead(cfg.cluster)  # its imports overlap the driver's
     from rlkit.algorithms.loop import RunStopped
     from rlkit.checkpoint import CheckpointWriteError
+    from rlkit.envs.runner import EnvironmentFailure
     from rlkit.launch.run import train
     from rlkit.observability.startup import StartupClock
 
@@ -44,13 +46,9 @@ def _train(args) -> int:
     except RunStopped as e:
         print(f"rlkit: {e}", file=sys.stderr)
         return 128 + signal.Signals[e.reason]
-    except CheckpointWriteError as e:
+    except (CheckpointWriteError, EnvironmentFailure) as e:
         print(f"rlkit: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:
-        print(f"rlkit: stopped during a step ({e or 'SIGINT'}), without a checkpoint; rerun the same command to "
-              f"continue from the last one", file=sys.stderr)
-        return 128 + signal.SIGINT
     logging.getLogger("rlkit").info("done: %s; metrics in %s", _validation_summary(result.history),
                                     result.run_dir / "metrics.jsonl")
     return 0
@@ -103,6 +101,24 @@ def _pretrained(args) -> int:
         print(f"rlkit: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _stoppable(command, where: str):
+    """command, which a signal (SIGINT, SIGTERM) stops where it is, in one line ("stopped by SIGTERM
+    <where>"), exiting with 128 + the signal; from its first line, before its heavy imports."""
+    def stoppable(args) -> int:
+        try:
+            with stop_at_once_on_signals(where):
+                return command(args)
+        except Stopped as e:
+            print(f"rlkit: {e}", file=sys.stderr)
+            return 128 + signal.Signals[e.reason]
+    return stoppable
+
+
+def _unfinished(what: str) -> str:
+    """Where a signal stopped a command that writes only once it has finished (if at all)."""
+    return f"before {what} finished, which wrote nothing; rerun the same command"
 
 
 # Hydra's own scripts take --config-path: the same directory here
@@ -166,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         # Ray's coloured "(Worker pid=...)" prefixes: rlkit/cluster/ray_runtime.py
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
-        commands = {"train": _train, "verify-refit": _verify_refit, "env": _env_check, "convert": _convert,
-                    "eval": _eval, "pretrained": _pretrained}
+        commands = {"train": _stoppable(_train, STARTING),
+                    "verify-refit": _stoppable(_verify_refit, _unfinished("the check")), "env": _env_check,
+                    "convert": _stoppable(_convert, _unfinished("the export")),
+                    "eval": _stoppable(_eval, _unfinished("the evaluation")), "pretrained": _pretrained}
         return commands[args.command](args)
     except ConfigError as e:
         print(f"rlkit: config error: {e}", file=sys.stderr)

@@ -4,7 +4,7 @@ import functools
 import importlib.util
 import logging
 import os
-import shutil
+import signal
 import socket
 import sys
 import time
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import ray
 from ray._private import ray_constants, services
+from ray._private import utils as ray_utils
 from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
 from ray._private.node import Node
 
@@ -40,7 +41,8 @@ def join_or_start_ray(cfg: ClusterConfig) -> bool:
         key, address = joining
         _wait_for_cluster(key, address, cfg.connect_timeout_s)
         log.info("joining Ray cluster at %s", address)
-        ray.init(address=address, log_to_driver=True)
+        with _own_signal_handlers():
+            ray.init(address=address, log_to_driver=True)
         return False
     _start_local(cfg)
     log.info("started a local Ray cluster (%d logical CPUs, loopback only)", cfg.num_cpus)
@@ -60,12 +62,14 @@ def _start_local(cfg: ClusterConfig) -> None:
         system_config = {"prestart_worker_first_driver": False} if _fork_server is not None else {}
         _own_token()
         _process_group = ProcessGroup()
-        with _local_node_settings(_fork_server, _process_group):
+        with _local_node_settings(_fork_server, _process_group), _own_signal_handlers():
             # address="local" ignores a stale /tmp/ray/ray_current_cluster
             ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
                      object_store_memory=cfg.object_store_mb * 1024 * 1024, log_to_driver=True,
                      _system_config=system_config)
-    except BaseException:
+    except BaseException as error:
+        if _process_group is not None and not isinstance(error, KeyboardInterrupt):
+            _process_group.removes(None)  # Ray's logs say why it did not start
         _stop_local_processes()
         raise
 
@@ -92,6 +96,15 @@ def _local_node_settings(fork_server: ForkServer | None, process_group: ProcessG
     node_init = Node.__init__
     Node.__init__ = lambda node, ray_params, *args, **kwargs: node_init(
         node, _local_params(ray_params, fork_server), *args, **kwargs)
+    # the session folder, from as soon as the node has made it, goes with the group if the driver ends
+    # without stop_local_ray (a SIGKILL), or as a start that did not complete is stopped
+    init_temp = Node._init_temp
+
+    def init_temp_removed_with_group(node, *args, **kwargs):
+        init_temp(node, *args, **kwargs)
+        process_group.removes(Path(node.get_session_dir_path()))
+
+    Node._init_temp = init_temp_removed_with_group
     # forked workers: the raylet runs the fork server's client as its Python worker script, which
     # finds the server and Ray's worker script in the environment the raylet inherits from here.
     # (A job runtime_env could name the client instead, as its py_executable, but then Ray runs
@@ -106,11 +119,32 @@ def _local_node_settings(fork_server: ForkServer | None, process_group: ProcessG
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
-        Node.start_api_server, Node.__init__ = start_api_server, node_init
+        Node.start_api_server, Node.__init__, Node._init_temp = start_api_server, node_init, init_temp
         services.ConsolePopen = console_popen
         token_log.removeFilter(_token_auth_notice)
         for name in client_environment:
             os.environ.pop(name, None)
+
+
+@contextmanager
+def _own_signal_handlers():
+    """Around ray.init: where the driver handles SIGTERM itself (rlkit's commands stop where they are,
+    then at the next step), Ray's Python handlers, which exit at once without a word, are not set
+    (its driver's, and its local node's, which kills the cluster's processes first); and the driver's
+    handlers are set again after, in front of the one Ray's core installs, which prints a C++ stack
+    dump before it calls them."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    if not callable(handlers[signal.SIGTERM]):
+        yield
+        return
+    set_sigterm_handler = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = set_sigterm_handler
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
 
 
 def _own_token() -> None:
@@ -176,14 +210,10 @@ def stop_local_ray(keep_logs: bool) -> None:
     every session folder in its temp directory forever."""
     session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
     ray.shutdown()
-    _stop_local_processes()
     if keep_logs:
+        _process_group.removes(None)
         log.info("Ray's logs of this run are in %s", session_dir / "logs")
-        return
-    shutil.rmtree(session_dir, ignore_errors=True)
-    latest = session_dir.parent / "session_latest"
-    if latest.is_symlink() and not latest.exists():
-        latest.unlink()
+    _stop_local_processes()  # the process group's stop removes the session folder it was given
 
 
 def _stop_local_processes() -> None:

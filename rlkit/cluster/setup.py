@@ -83,11 +83,22 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
     policy's bundles for the critic that start_critic adds later. clock: where the phases' seconds go.
     pool: take the workers from it instead (CPU, this node), no placement group. started_cluster:
     the caller has joined or started Ray already (True: started a local cluster, which the workers'
-    shutdown then stops); None: joined or started here."""
+    shutdown then stops); None: joined or started here. Workers that fail to start (or a signal
+    meanwhile) stop such a cluster: its logs are kept on an error."""
     clock = clock or StartupClock()
     if started_cluster is None:
         with clock.phase("ray"):
             started_cluster = join_or_start_ray(cfg.cluster)
+    try:
+        return _start_workers(cfg, model_dir, with_generation, with_critic, clock, pool, started_cluster)
+    except BaseException as error:
+        if started_cluster:
+            stop_local_ray(keep_logs=not isinstance(error, KeyboardInterrupt))
+        raise
+
+
+def _start_workers(cfg: RootConfig, model_dir: str, with_generation: bool, with_critic: bool, clock: StartupClock,
+                   pool: WarmPool | None, started_cluster: bool) -> RunWorkers:
     device = device_kind()
     missing = optional_kernels_missing()
     if missing:

@@ -64,13 +64,14 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
         return RunResult(read_history(run_dir, state_step), run_dir)
     if changed:
         log.info("settings changed since %s: %s", resume_from, changed)
-    # the tokenizer and data load while Ray starts (on a GPU machine each takes 5-9 s); Ray's own
-    # processes die with the thread that started them, so Ray starts on this one
-    with ThreadPoolExecutor(1, thread_name_prefix="rlkit-data") as executor:
-        loading = executor.submit(_model_tokenizer_data, cfg, algorithm, clock)
-        with clock.phase("ray"):
-            started_cluster = join_or_start_ray(cfg.cluster)
+    started_cluster = False
     try:
+        # the tokenizer and data load while Ray starts (on a GPU machine each takes 5-9 s); Ray's own
+        # processes die with the thread that started them, so Ray starts on this one
+        with ThreadPoolExecutor(1, thread_name_prefix="rlkit-data") as executor:
+            loading = executor.submit(_model_tokenizer_data, cfg, algorithm, clock)
+            with clock.phase("ray"):
+                started_cluster = join_or_start_ray(cfg.cluster)
         model_dir, tokenizer, data = loading.result()  # bad data stops the run before any worker starts
         start_dir, warm_dir = model_dir, None
         if algorithm.warm_start is not None:
@@ -81,11 +82,12 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
             # tunes every weight, on workers of its own, and the adapters train on top of its result
             full_tuning = replace(cfg, policy=replace(cfg.policy, peft=None))
             with clock.phase("warm_start"):
+                # the warm start's workers stop the cluster they are given (so does their failed start)
+                given, started_cluster = started_cluster, None
                 warm_workers = start_workers(full_tuning, str(start_dir), with_generation=False, with_critic=False,
-                                             pool=pool, started_cluster=started_cluster)
-                started_cluster = None  # the warm start's workers stop the cluster they were given
+                                             pool=pool, started_cluster=given)
                 try:
-                    with stop_on_signals(cfg.checkpoint) as stop_requested:
+                    with stop_on_signals(cfg.checkpoint, ends_start_up=False) as stop_requested:
                         _warm_start(full_tuning, algorithm, warm_workers.policy, tokenizer, data, warm_dir,
                                     stop_requested)
                 finally:

@@ -2,7 +2,8 @@
 asks for a stop at the next step boundary and the run goes on, its grace period's timer cancelled
 once the run has stopped; with checkpoint.enabled=false there is nothing to finish, so it stops the
 run where it is and says a rerun starts where this one did; the warm start's stop-at-once reason
-holds within either and the run's own is back after it."""
+holds within either and the run's own is back after it. Before the step loop (from the command's
+first line) and after it, a signal stops at once and says where."""
 
 import os
 import signal
@@ -11,7 +12,7 @@ import pytest
 
 from rlkit.algorithms.loop import RunStopped
 from rlkit.config.schema import CheckpointConfig
-from rlkit.launch.interrupts import stop_on_signals
+from rlkit.launch.interrupts import STARTING, Stopped, stop_at_once_on_signals, stop_on_signals
 
 
 def checkpoint_cfg(enabled: bool) -> CheckpointConfig:
@@ -49,3 +50,16 @@ def test_the_warm_starts_reason_names_the_stop_within_it():
             with stop_requested.stopping_at_once("during the warm start; rerun the same command to continue"):
                 os.kill(os.getpid(), signal.SIGINT)
                 pytest.fail("the signal did not stop the run")
+
+
+@pytest.mark.parametrize("ends_start_up, where", [(False, STARTING),
+                                                  (True, "while the run stopped its workers; rerun the same command")],
+                         ids=["after the warm start's workers: the start-up goes on", "after the step loop"])
+def test_outside_the_step_loop_a_signal_stops_at_once_and_says_where(ends_start_up, where):
+    with pytest.raises(Stopped) as stopped:
+        with stop_at_once_on_signals(STARTING):
+            with stop_on_signals(checkpoint_cfg(True), ends_start_up):
+                pass
+            os.kill(os.getpid(), signal.SIGTERM)
+            pytest.fail("the signal did not stop the command")
+    assert stopped.value.reason == "SIGTERM" and str(stopped.value).startswith(f"stopped by SIGTERM {where}")
