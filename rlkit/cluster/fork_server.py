@@ -270,6 +270,10 @@ def _receive_request(connection: socket.socket) -> tuple[dict, list[int]]:
 def _become_worker(request: dict, fds: list[int], server: int, without_ray: list[str]) -> None:
     """In the forked child: the process a fresh `python default_worker.py ...` would be. Never returns."""
     _die_with_parent(server)
+    # a process group of its own, as Ray gives the workers it starts: when a worker exits, its raylet
+    # kills the worker's process group (what the worker left running), which would otherwise be the
+    # server's, every other worker in it
+    os.setpgid(0, 0)
     for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
     for target, fd in enumerate(fds):

@@ -89,11 +89,14 @@ def wait_for_worker(process) -> psutil.Process:
 
 def test_the_server_and_its_workers_are_out_of_the_drivers_process_group(server, script):
     """A signal to the driver's process group (a terminal's Ctrl-C) is the driver's to handle: it
-    finishes its step with its workers still there."""
+    finishes its step with its workers still there. Each worker leads a group of its own: a raylet
+    kills an ended worker's group, which must not hold the server and the other workers."""
     client = run_worker(server.socket, script, "sleep", "0", wait=False)
     worker = wait_for_worker(client)
     try:
-        assert os.getpgid(worker.pid) == os.getpgid(server.process.pid) != os.getpgid(0)
+        assert os.getpgid(worker.pid) == worker.pid
+        assert os.getpgid(server.process.pid) not in (worker.pid, os.getpgid(0))
+        assert os.getpgid(worker.pid) != os.getpgid(0)
     finally:
         client.kill()
         client.wait()
