@@ -35,7 +35,8 @@ def pytest_collection_modifyitems(items):
 # Integration tests whose runs start Ray clusters of their own (subprocesses), none of the session's:
 # each is a unit of work of its own, handed out after the unit tests (collection order), so the
 # process that ran those runs them beside the shared integration tests instead of idling
-OWN_CLUSTER_FILES = {"tests/integration/test_interrupts.py", "tests/integration/test_ray_job.py"}
+OWN_CLUSTER_FILES = {"tests/integration/test_interrupts.py", "tests/integration/test_ray_job.py",
+                     "tests/integration/test_quiet_console.py"}
 
 
 @pytest.hookimpl(optionalhook=True)
