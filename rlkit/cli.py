@@ -73,9 +73,14 @@ def _env_check(args) -> int:
 
 
 def _convert(args) -> int:
+    from rlkit.checkpoint import DiskWriteError
     from rlkit.launch.convert import export_hf
 
-    print(export_hf(Path(args.checkpoint), Path(args.out), args.merged).line())
+    try:
+        print(export_hf(Path(args.checkpoint), Path(args.out), args.merged).line())
+    except DiskWriteError as e:
+        print(f"rlkit: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -46,8 +46,32 @@ MANIFEST = "manifest.json"
 _DISK_ERRORS = [os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)]
 
 
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint the disk could not take: one line naming the folder, its free space and the fix."""
+class DiskWriteError(RuntimeError):
+    """Files the disk could not take: one line naming the folder, its free space and the fix."""
+
+
+class CheckpointWriteError(DiskWriteError):
+    """A checkpoint the disk could not take."""
+
+
+@dataclass(frozen=True)
+class DiskFailure:
+    """What the disk did to a write (e.g. "No space left on device"), its free space and the size of
+    what was written into the unfinished folder, as shown (e.g. "0.4 MB")."""
+    what: str
+    free: str
+    unfinished: str
+
+
+def disk_failure(error: Exception, unfinished: Path, needed: int = 0) -> DiskFailure | None:
+    """Where error, raised as files were written into the folder `unfinished`, came from its disk: the
+    disk error it names (by this process's write or a worker's), or a failure while the disk has less
+    room than was written or is `needed` (torch's writer drops the OSError). None for another error."""
+    named = next((text for text in _DISK_ERRORS if text in str(error)), None)
+    free, written = _free_bytes(unfinished), _bytes_in(unfinished)
+    if named is None and free >= max(written, needed):
+        return None
+    return DiskFailure(named or "the disk is full", _shown(free), _shown(written))
 
 
 @dataclass(frozen=True)
@@ -186,17 +210,17 @@ class CheckpointManager:
         try:
             yield
         except Exception as error:
-            free, last, unfinished = _free_bytes(self.root), self.complete(), _bytes_in(tmp)
+            last = self.complete()
             last_bytes = _bytes_in(last[-1]) if last else 0
-            named = next((text for text in _DISK_ERRORS if text in str(error)), None)
-            if named is None and free >= max(unfinished, last_bytes):
+            failure = disk_failure(error, tmp, last_bytes)
+            if failure is None:
                 raise
             log.debug("checkpoint %s: the write failed with %r", name, error)
             self.discard_unfinished()
             took = f"; the last checkpoint took {_shown(last_bytes)}" if last else ""
             raise CheckpointWriteError(
-                f"checkpoint {name} could not be written into {self.root}: {named or 'the disk is full'} "
-                f"({_shown(free)} free there{took}); its unfinished files ({_shown(unfinished)}) are removed: make "
+                f"checkpoint {name} could not be written into {self.root}: {failure.what} "
+                f"({failure.free} free there{took}); its unfinished files ({failure.unfinished}) are removed: make "
                 f"room there or set checkpoint.dir to a disk with room, then rerun the same command to resume from "
                 f"{last[-1] if last else 'the start'}") from None
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlkit.checkpoint import MANIFEST, complete_checkpoints, verify
+from rlkit.checkpoint import MANIFEST, DiskWriteError, complete_checkpoints, disk_failure, verify
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.launch.config import to_typed
 from rlkit.models.resolve import resolve_model_dir
@@ -79,8 +79,14 @@ def export_hf(checkpoint_dir: Path, out_dir: Path, merged: bool = False) -> Expo
         _write(conversion, checkpoint_dir, partial)
         sizes = [p.stat().st_size for p in partial.rglob("*") if p.is_file()]
         os.replace(partial, target)  # onto an empty folder too; checked above that it is one
-    except BaseException:
+    except BaseException as error:
+        failure = disk_failure(error, partial) if isinstance(error, Exception) else None
         shutil.rmtree(partial, ignore_errors=True)
+        if failure is not None:
+            raise DiskWriteError(f"the export could not be written beside {target}: {failure.what} "
+                                 f"({failure.free} free there; its unfinished files, {failure.unfinished}, are "
+                                 f"removed): make room there or give an output folder on a disk with room, then "
+                                 f"rerun the command") from None
         raise
     return Exported(out_dir, conversion.kind, len(sizes), sum(sizes))
 

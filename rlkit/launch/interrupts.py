@@ -24,8 +24,8 @@ log = logging.getLogger("rlkit")
 
 NOTHING_SAVED = ("with checkpoint.enabled=false, which saves nothing; rerun the same command to start again from "
                  "where this run started")
-STARTING = ("during start-up, before the first step, with nothing to checkpoint yet; rerun the same command to continue "
-            "from the last checkpoint, if any")
+STARTING = ("during start-up, before the first step, with nothing to checkpoint yet; rerun the same command to "
+            "continue from the last checkpoint, if any")
 AGAIN = "again, during a step, without a checkpoint; rerun the same command to continue from the last one, if any"
 STOPPING = "while the run stopped its workers; rerun the same command to continue from the last checkpoint, if any"
 

@@ -6,6 +6,7 @@ naming it and the step, and the last checkpoint still resumes."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import ray
 import torch
 from process_tree import ProcessTree
+from ray._common.utils import get_default_ray_temp_dir
 from run_metrics import last_logged_step
 from transformers import AutoModelForCausalLM
 
@@ -67,7 +69,8 @@ def reference_run(warm_pool, tmp_path_factory, cache_dir):
 def kill_when(command, condition, point: str, log: Path, timeout_s=300):
     """Start the command as its own process group (its output appended to log), SIGKILL the group
     once condition() holds (the driver and the local Ray cluster it started); then nothing the run
-    started (Ray's processes and workers, and any process a worker started) may remain."""
+    started (Ray's processes and workers, and any process a worker started) may remain, nor its Ray
+    session folder."""
     with open(log, "ab") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     deadline, started = time.monotonic() + timeout_s, ProcessTree(process.pid)
@@ -80,6 +83,14 @@ def kill_when(command, condition, point: str, log: Path, timeout_s=300):
     process.wait()
     assert any("MegatronModelWorker" in line for _, line in started.processes.values()), point
     assert started.still_alive() == [], f"left running after a SIGKILL {point}"
+    while session_folders(process.pid) and time.monotonic() < deadline:  # removed once the cluster's group is gone
+        time.sleep(0.05)
+    assert session_folders(process.pid) == [], f"Ray's session folder left after a SIGKILL {point}"
+
+
+def session_folders(driver_pid: int) -> list[Path]:
+    """The Ray session folders a driver made (Ray names them after its pid)."""
+    return list(Path(get_default_ray_temp_dir()).glob(f"session_*_{driver_pid}"))
 
 
 def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(reference_run, warm_pool, tmp_path, cache_dir):
@@ -268,11 +279,13 @@ def test_convert_exports_hf_weights(warm_pool, make_cfg, tmp_path, save_format, 
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
 
 
-def test_a_full_disk_ends_the_run_in_one_line_and_leaves_no_unfinished_checkpoint(warm_pool, make_cfg, tmp_path):
+def test_a_full_disk_ends_the_run_in_one_line_and_leaves_no_unfinished_checkpoint(warm_pool, make_cfg, tmp_path,
+                                                                                     capsys):
     """Checkpoints on a 10 MB disk (a tmpfs mounted for the test, which needs root;
     tests/unit/test_checkpoint_full_disk.py fills one without), where one of this run's takes 6.6 MB:
     step 1's fits, step 2's fills the disk in the policy workers' background write. The run ends with
-    one line naming the folder and its free space, and step 2's unfinished files are gone."""
+    one line naming the folder and its free space, and step 2's unfinished files are gone. So does
+    `rlkit convert` of step 1 onto that disk, filled but for 0.5 MB (the export takes 2 MB)."""
     disk = tmp_path / "disk"
     disk.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(disk)], capture_output=True).returncode:
@@ -291,6 +304,14 @@ def test_a_full_disk_ends_the_run_in_one_line_and_leaves_no_unfinished_checkpoin
                             rf"files \([\d.]+ MB\) are removed: .* resume from {folder}/step_000001", str(error.value))
         assert [path.name for path in disk.iterdir()] == ["step_000001"]
         assert verify(disk / "step_000001") is None
+        (disk / "filler").write_bytes(bytes(max(shutil.disk_usage(disk).free - 500_000, 0)))
+        capsys.readouterr()
+        assert main(["convert", str(disk / "step_000001"), str(disk / "exported")]) == 1
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlkit:")]
+        assert len(said) == 1 and re.fullmatch(rf"rlkit: the export could not be written beside {folder}/exported: "
+                                               rf"(No space left on device|the disk is full) \(0.\d MB free there; "
+                                               rf"its unfinished files, [\d.]+ MB, are removed\): .*", said[0]), said
+        assert sorted(path.name for path in disk.iterdir()) == ["filler", "step_000001"]  # nothing partial
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], check=True)
 

@@ -70,7 +70,8 @@ def stopped_by(process, signum, out_dir: Path, ray_dir: Path, to_group: bool, ra
     Ray session folder."""
     driver = psutil.Process(process.pid)
     started = [driver, *driver.children(recursive=True)]
-    assert ray_started == (any("raylet" in p.name() for p in started) and any("gcs_server" in p.name() for p in started))
+    names = [p.name() for p in started]
+    assert ray_started == ("raylet" in names and "gcs_server" in names)
     (os.killpg if to_group else os.kill)(process.pid, signum)  # the group's id is the driver's pid
     process.wait(timeout=180)
     stderr = (out_dir / "stderr.txt").read_text()
