@@ -7,7 +7,6 @@ output is whole or absent, and a user's files are never overwritten."""
 import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +15,7 @@ from omegaconf import OmegaConf
 from rlkit.checkpoint import MANIFEST, DiskWriteError, complete_checkpoints, disk_failure, verify
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.launch.config import to_typed
-from rlkit.models.resolve import resolve_model_dir
-from rlkit.workers.policy.adapter_base import check_base, recorded_base
+from rlkit.workers.policy.adapter_base import recorded_base, restored_base
 
 _UNFINISHED = re.compile(r"^step_\d+\.tmp-")
 PEFT_ADAPTER = "HF PEFT adapter"
@@ -58,8 +56,7 @@ def checked_conversion(checkpoint_dir: Path, out_dir: Path, merged: bool) -> Con
     if merged and base is None:
         raise ConfigError(f"rlkit convert --merged: {checkpoint_dir} holds every weight of the policy (it was trained "
                           f"without policy.peft), so there are no adapters to merge; convert it without --merged")
-    model_dir = resolve_model_dir(cfg) if base is None else Path(base)
-    check_base(checkpoint_dir / "policy", str(model_dir), base is not None, "rlkit convert")
+    model_dir = restored_base(checkpoint_dir, cfg, "rlkit convert")
     if base is None:
         kind = "HF checkpoint"
     else:
@@ -94,6 +91,7 @@ def export_hf(checkpoint_dir: Path, out_dir: Path, merged: bool = False) -> Expo
 def _write(conversion: Conversion, checkpoint_dir: Path, out_dir: Path) -> None:
     """The policy rebuilt on workers of its own, loaded from the checkpoint, written to out_dir."""
     from rlkit.cluster.setup import start_workers  # here: Ray and torch, which the checks do without
+    from rlkit.launch.run import failing
 
     workers = start_workers(conversion.cfg, str(conversion.model_dir), with_generation=False)
     try:
@@ -103,7 +101,7 @@ def _write(conversion: Conversion, checkpoint_dir: Path, out_dir: Path) -> None:
         else:
             workers.policy.save_hf(str(out_dir))
     finally:
-        workers.shutdown(failed=sys.exc_info()[1] is not None)
+        workers.shutdown(failed=failing())
 
 
 def check_checkpoint(path: Path) -> None:

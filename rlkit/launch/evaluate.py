@@ -173,7 +173,7 @@ def evaluate(plan: EvalPlan, pool=None) -> dict:
     from rlkit.data.generation import SamplingParams
     from rlkit.envs.runner import EnvironmentPool
     from rlkit.launch.preflight import check_prompts
-    from rlkit.launch.run import _failing as failing
+    from rlkit.launch.run import failing
     from rlkit.models.tokenizer import load_tokenizer
 
     started, cfg, g = time.perf_counter(), plan.cfg, plan.cfg.generation

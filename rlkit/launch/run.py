@@ -91,7 +91,7 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
                         _warm_start(full_tuning, algorithm, warm_workers.policy, tokenizer, data, warm_dir,
                                     stop_requested)
                 finally:
-                    warm_workers.shutdown(failed=_failing())
+                    warm_workers.shutdown(failed=failing())
             start_dir, warm_dir = warm_dir, None
         if resume_from is not None:
             check_base(resume_from / "policy", str(start_dir), cfg.policy.peft is not None, "checkpoint.resume")
@@ -119,7 +119,7 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
         if trainer is not None:
             trainer.close()
         logger.close()
-        workers.shutdown(failed=_failing())
+        workers.shutdown(failed=failing())
         checkpoints.discard_unfinished()  # a stop at once or an error may leave one; its writers are gone now
 
 
@@ -165,7 +165,7 @@ def verify_refit(cfg: RootConfig, num_prompts: int) -> dict:
         metrics["refit/tokens_compared"] = int(rollout["response_mask"].sum())
         return metrics
     finally:
-        workers.shutdown(failed=_failing())
+        workers.shutdown(failed=failing())
 
 
 def check_expert_layout(cfg: RootConfig, saved: DictConfig, checkpoint_dir: Path) -> None:
@@ -180,7 +180,7 @@ def check_expert_layout(cfg: RootConfig, saved: DictConfig, checkpoint_dir: Path
                           f"(rlkit convert) and start a new run from them")
 
 
-def _failing() -> bool:
+def failing() -> bool:
     """Inside a finally: whether an error (not a requested stop) is on its way out."""
     error = sys.exc_info()[1]
     return error is not None and not isinstance(error, (RunStopped, KeyboardInterrupt))
