@@ -8,7 +8,7 @@ by turn together (env_runner.flow=per_turn) or each on its own (per_trajectory,
 rlkit/algorithms/trajectories.py).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -172,8 +172,7 @@ def _run_turns(episodes: list[Episode], renderer: PromptRenderer, generation: Ge
         budget = max(min(params.max_new_tokens, min(cfg.max_total_tokens - e.generated for e in active)), 1)
         with timer("generate"):
             out = generation.generate([e.token_ids for e in active],
-                                      SamplingParams(**{**params.__dict__, "max_new_tokens": budget,
-                                                        "seed": params.seed * 100 + turn}))
+                                      replace(params, max_new_tokens=budget, seed=params.seed * 100 + turn))
         for episode, ids, lps in zip(active, out.token_ids, out.logprobs):
             episode.add_generation(ids, lps, budget, renderer.tokenizer)
         with timer("reward"):

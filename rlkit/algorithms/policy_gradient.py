@@ -183,7 +183,7 @@ class PolicyGradientTrainer:
 
         def episodes_of(prompts: list[Prompt], round_: int) -> Episodes:
             seed = self.sampling.seed + step + round_ * EXTRA_ROUND_SEED_STRIDE
-            episodes = self.episodes(prompts, SamplingParams(**{**self.sampling.__dict__, "seed": seed}), timer,
+            episodes = self.episodes(prompts, replace(self.sampling, seed=seed), timer,
                                      a.group_size)
             if a.overlong_buffer == 0:
                 return episodes
@@ -248,7 +248,7 @@ class PolicyGradientTrainer:
         refit_metrics = self.rollouts.engines_at_policy(self.version)
         refit_metrics.pop("timing/refit", None)  # the step's timing/refit is its rollout's; this one is validation's
         hand_over = self.refit.hand_over()
-        params = SamplingParams(**{**self.sampling.__dict__, "temperature": 0.0}) if self.cfg.algorithm.val_greedy \
+        params = replace(self.sampling, temperature=0.0) if self.cfg.algorithm.val_greedy \
             else self.sampling
         episodes = self.episodes(self.val_rows, params)
         self.refit.reclaim()  # what follows (training, a checkpoint) needs the trained models' memory

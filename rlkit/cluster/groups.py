@@ -4,7 +4,7 @@ one data-parallel shard per rank."""
 
 import functools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import ray
@@ -178,7 +178,7 @@ class GenerationWorkers:
         n = len(self.workers)
         size = -(-len(prompt_ids) // n)
         chunks = [prompt_ids[i * size:(i + 1) * size] for i in range(n)]
-        refs = [actor.generate.remote(chunk, SamplingParams(**{**params.__dict__, "seed": params.seed * 1000 + i}))
+        refs = [actor.generate.remote(chunk, replace(params, seed=params.seed * 1000 + i))
                 for i, (actor, chunk) in enumerate(zip(self.workers.actors, chunks)) if chunk]
         parts = self.workers.wait(refs, "generate")
         return Generations([t for p in parts for t in p.token_ids], [lp for p in parts for lp in p.logprobs])
