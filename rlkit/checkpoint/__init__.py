@@ -336,10 +336,15 @@ def _write_manifest(directory: Path, known: dict[Path, str]):
 def file_digest(path: Path) -> str:
     """SHA-256 of the file."""
     sha = hashlib.sha256()
+    update_with_file(sha, path)
+    return sha.hexdigest()
+
+
+def update_with_file(sha: "hashlib._Hash", path: Path) -> None:
+    """Feeds the file's bytes to sha, in chunks (a checkpoint's files may not fit in memory)."""
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             sha.update(chunk)
-    return sha.hexdigest()
 
 
 def file_digests(files: list[Path]) -> list[str]:

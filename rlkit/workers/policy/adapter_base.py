@@ -8,6 +8,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from rlkit.checkpoint import update_with_file
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.models.resolve import resolve_model_dir
 
@@ -19,9 +20,7 @@ def weights_digest(hf_dir: str) -> str:
     sha = hashlib.sha256()
     for path in sorted(Path(hf_dir).glob("*.safetensors")):
         sha.update(path.name.encode())
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                sha.update(chunk)
+        update_with_file(sha, path)
     return sha.hexdigest()
 
 
