@@ -154,7 +154,7 @@ class RefitConfig:
     broadcast_groups: str = MISSING
     # policy.peft runs: merged | adapter (rlkit/config/choices.py PEFT_MODES)
     peft: str = MISSING
-    # send each bucket's changes since the last refit (rlkit/refit/delta.py); refit.transport=cpu only
+    # send each bucket's changes since the last refit (rlkit/refit/delta.py); refit.transport=cpu or nccl
     delta: bool = MISSING
 
 
