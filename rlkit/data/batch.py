@@ -10,9 +10,14 @@ A dict of tensors sharing the leading (sample) dimension. Fields used by rlkit, 
   reference_logprobs   [B, S] float  frozen reference policy logprob (token-aligned)
   advantages           [B] or [B, S] float  per sample (broadcast over its tokens) or per token
   returns, old_values  [B, S] float  PPO: the critic's regression targets and its values at rollout time
-  loss_mask            [B, S] float  SFT: 1 on target tokens
+  off_policy_weights   [B, S] float  per-token weights of the off-policy correction (rlkit/algorithms/off_policy.py)
+  entropy              [B, S] float  per micro-batch, when the objective has an entropy bonus (with its gradient)
+  loss_mask            [B, S] float  SFT and DPO: 1 on target tokens
+  position_ids, segment_ids  [B, S] long  packed rows only (rlkit/data/packing.py): positions restart at 0
+                       for each sequence, segment ids tell the sequences apart
 
-Right padding keeps position ids 0..S-1 valid for every sample, so no attention mask is needed.
+Without packing, right padding keeps position ids 0..S-1 valid for every sample, so no attention mask
+is needed; a packed row's attention stays inside each segment.
 """
 
 from dataclasses import dataclass
