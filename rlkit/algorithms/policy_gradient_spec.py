@@ -1,6 +1,6 @@
 """What the RL family's algorithm modules (grpo, rloo, reinforce_pp, ppo) are made of, without
-torch: the config keys they share, the checks of those, and the adapter that makes an estimator
-from a per-sample advantage function. Loading a config imports these; the controller that runs
+torch: the config keys they share, the checks of those, the adapter that makes an estimator
+from a per-sample advantage function, and the spec of the group-relative ones (grpo, rloo). Loading a config imports these; the controller that runs
 a step is rlkit/algorithms/policy_gradient.py, which re-exports them."""
 
 from dataclasses import dataclass, field
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 
 from omegaconf import MISSING
 
-from rlkit.algorithms.registry import AlgorithmConfig
+from rlkit.algorithms.registry import AlgorithmConfig, AlgorithmSpec, Lazy
 from rlkit.algorithms.warm_start import validate_warm_start
 from rlkit.config.choices import IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
 from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig
@@ -135,3 +135,16 @@ def per_sample(advantages):
         trainer.policy.extend_held(Batch({"advantages": advantages(trainer.cfg.algorithm, rewards, group_ids)}))
         return {}
     return estimate
+
+
+def group_relative_spec(name: str, config: type, sample_advantages) -> AlgorithmSpec:
+    """The spec of an algorithm whose advantages compare the samples of a prompt (GRPO, RLOO):
+    sample_advantages as for per_sample, at least 2 samples a prompt, the KL a k3 loss term."""
+    return AlgorithmSpec(
+        name=name, config=config, data="prompts", load_data=Lazy("rlkit.algorithms.policy_gradient:load_prompts"),
+        trainer=Lazy("rlkit.algorithms.policy_gradient:PolicyGradientTrainer"), rollouts=True,
+        warm_start=Lazy("rlkit.algorithms.policy_gradient:warm_start_on_answers"),
+        uses_reference=lambda a: a.kl_coef > 0,
+        validate=lambda cfg, dp: validate(cfg, dp, min_group_size=2),
+        estimator=per_sample(sample_advantages),
+        kl_in_loss=lambda a: True)
