@@ -24,6 +24,14 @@ RL_MODEL_SETTINGS = dict(
     moe_router_bias_update_rate=0.0)
 
 
+def rope_settings_in_parameters(hf_config) -> dict:
+    """rope_theta and partial_rotary_factor, by name, where the config keeps them only in
+    rope_parameters (transformers 5), where neither bridge's config mapping looks."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    return {key: rope[key] for key in ("rope_theta", "partial_rotary_factor")
+            if getattr(hf_config, key, None) is None and key in rope}
+
+
 def core_attention(attention_backend: str) -> type:
     """policy.attention_backend's core attention for Megatron's local (non-TE) layer spec."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention

@@ -10,8 +10,8 @@ import torch
 
 from rlkit.bridge import ModelBridge
 from rlkit.bridge.common import (RL_MODEL_SETTINGS, RowExport, core_attention, head_hooks, holds_every_weight,
-                                 local_layer_spec, probe_rows, router_gemm_without_te, specs_take_vp_stage, unwrap,
-                                 without_grad)
+                                 local_layer_spec, probe_rows, rope_settings_in_parameters, router_gemm_without_te,
+                                 specs_take_vp_stage, unwrap, without_grad)
 from rlkit.config.schema import ConfigError
 
 _patched = set()
@@ -91,9 +91,8 @@ class MBridge(ModelBridge):
         _isolate_name_tables()
         self.hf_dir = str(hf_dir)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
-        for key in ("rope_theta", "partial_rotary_factor"):  # transformers 5 moved them into rope_parameters
-            if not hasattr(self.hf_config, key) and key in self.hf_config.rope_parameters:
-                setattr(self.hf_config, key, self.hf_config.rope_parameters[key])
+        for key, value in rope_settings_in_parameters(self.hf_config).items():
+            setattr(self.hf_config, key, value)
         self._bridge = AutoBridge.from_config(self.hf_config, dtype=params_dtype)
         self._bridge.set_extra_args(**RL_MODEL_SETTINGS)
         if importlib.util.find_spec("transformer_engine") is None:

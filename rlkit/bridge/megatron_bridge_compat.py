@@ -28,6 +28,8 @@ import re
 import sys
 import types
 
+from rlkit.bridge.common import rope_settings_in_parameters
+
 _applied = False
 
 
@@ -126,10 +128,9 @@ def _rope_from_rope_parameters():
 
     def with_rope_parameters(self, hf_config) -> dict:
         kwargs = to_provider_kwargs(self, hf_config)
-        rope = getattr(hf_config, "rope_parameters", None) or {}
-        for hf_key, megatron_key in (("rope_theta", "rotary_base"), ("partial_rotary_factor", "rotary_percent")):
-            if getattr(hf_config, hf_key, None) is None and hf_key in rope:
-                kwargs[megatron_key] = rope[hf_key]
+        megatron_keys = {"rope_theta": "rotary_base", "partial_rotary_factor": "rotary_percent"}
+        for hf_key, value in rope_settings_in_parameters(hf_config).items():
+            kwargs[megatron_keys[hf_key]] = value
         return kwargs
 
     MegatronModelBridge.hf_config_to_provider_kwargs = with_rope_parameters
