@@ -19,9 +19,11 @@ log = logging.getLogger("rlkit")
 
 
 class PhaseTimer:
-    """with timer("generate"): ...  ->  {"timing/generate": seconds}"""
+    """with timer("generate"): ...  ->  {"timing/generate": seconds}, a phase timed twice adding up;
+    prefix: what goes before the phase's name."""
 
-    def __init__(self):
+    def __init__(self, prefix: str = "timing/"):
+        self.prefix = prefix
         self.seconds: dict[str, float] = {}
 
     @contextmanager
@@ -30,7 +32,7 @@ class PhaseTimer:
         try:
             yield
         finally:
-            key = f"timing/{phase}"
+            key = f"{self.prefix}{phase}"
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
 
 

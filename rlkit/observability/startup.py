@@ -11,6 +11,7 @@ import time
 from contextlib import contextmanager
 
 import rlkit
+from rlkit.observability.metrics import PhaseTimer
 
 
 @contextmanager
@@ -32,15 +33,8 @@ class PhaseTimes:
 
     def __init__(self):
         self.entered = time.time()  # the driver's creation time subtracted from it: process start + module imports
-        self.phases: dict[str, float] = {}
-
-    @contextmanager
-    def phase(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+        self.phase = PhaseTimer(prefix="")  # with startup.phase("load"): ...
+        self.phases: dict[str, float] = self.phase.seconds
 
     def report(self) -> dict:
         return {"entered": self.entered, "phases": dict(self.phases)}
