@@ -81,7 +81,11 @@ def test_with_staleness_the_next_rollout_is_generated_while_the_step_trains():
     pipeline = RolloutPipeline(1, 3, engines.roll_out, engines.refit)
     rows = iter(range(10))
     pipeline.take(1, 0, rows)
-    time.sleep(0.2)  # step 1 "trains"; step 2's rollout (version 0) is generated meanwhile
+    # step 1 "trains" (nothing more is asked of the pipeline); step 2's rollout (version 0) is
+    # generated meanwhile. Waited for, not slept on: the suite runs this tier at idle priority
+    deadline = time.monotonic() + 60
+    while ("rollout", 2, 0, 1) not in engines.log and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert ("rollout", 2, 0, 1) in engines.log
     pipeline.close()
 
