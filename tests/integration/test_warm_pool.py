@@ -80,7 +80,12 @@ def _process_group_and_gloo_threads(worker) -> tuple[bool, int]:
     def look(_):
         import torch.distributed as dist
 
-        names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            try:
+                names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+            except FileNotFoundError:  # a thread that ended since the listing
+                pass
         return dist.is_initialized(), sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
 
     return ray.get(worker.__ray_call__.remote(look), timeout=60)
