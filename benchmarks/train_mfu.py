@@ -7,6 +7,8 @@ architecture (rlkit/observability/throughput.py) against the GPU's bf16 dense pe
 """
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import statistics
 import sys
@@ -64,11 +66,17 @@ def main():
         result = {"machine": device or "cpu", "model": args.model, "tokens_per_row": args.tokens, "rows": rows,
                   "micro_batch": args.micro_batch, "gpus": gpus, "step_seconds": seconds, "median_step_s": step_s,
                   "tokens_per_s": rows * args.tokens / step_s, "model_tflops_per_gpu": flops / step_s / gpus / 1e12,
-                  "mfu": flops / step_s / gpus / peak if peak else None, "overrides": args.overrides}
+                  "mfu": flops / step_s / gpus / peak if peak else None, "overrides": args.overrides,
+                  "transformer_engine": transformer_engine_version()}
         Path(args.out).write_text(json.dumps(result, indent=1))
         print("train_mfu " + " ".join(f"{k} {v}" for k, v in result.items() if k != "step_seconds"))
     finally:
         workers.shutdown()
+
+
+def transformer_engine_version() -> str | None:
+    """The TransformerEngine the workers build their layers with (None: Megatron's torch layers)."""
+    return importlib.metadata.version("transformer_engine") if importlib.util.find_spec("transformer_engine") else None
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (layer by layer, and the recipe's), GRPO run
 #   bash scripts/gpu_session.sh bridge-run <s> <mbridge|megatron_bridge> [overrides]    the SmolLM2 recipe on one bridge
 #   bash scripts/gpu_session.sh lora-run <s> <merged|adapter> [overrides]    the same with LoRA rank 16 on every linear layer; refit.peft as named
-#   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> [train_mfu.py args]    end-to-end and training-throughput benchmarks
+#   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> <label> [train_mfu.py args]    end-to-end and training-throughput benchmarks
+#   TE=1 bash scripts/gpu_session.sh ...    with TransformerEngine from /tmp/site-te (scripts/build_te.sh builds its extension)
 #     (e2e <s> smollm2 --trl: TRL's GRPOTrainer on the same workload after rlkit; trl in the wheel list: EXTRA_WHEELS)
 #   bash scripts/gpu_session.sh startup-run <s> <label> [overrides]    SmolLM2 recipe, 9 steps: start-up phases, checkpoints every 3
 #   bash scripts/gpu_session.sh recipe-run <s> <recipe> [overrides]    a SmolLM2 recipe as shipped (tools vs none: grpo_smollm2_gpu_tools, grpo_smollm2_gpu)
@@ -18,6 +19,7 @@
 #     max_staleness (one per call: async 590 0 --timeout 570, then async 590 1 --timeout 570; results merge in /tmp/async_grpo.json)
 set -uo pipefail
 source /tmp/gpucarry/env.sh
+[ "${TE:-0}" = 1 ] && export PYTHONPATH=/tmp/site-te:${PYTHONPATH:-}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RLKIT_TEST_METRICS=${OUT:-/tmp/rlkit_out}/metrics
 OUT=${OUT:-/tmp/rlkit_out}
 mkdir -p "$OUT"
@@ -92,7 +94,8 @@ case "$1" in
   tests-of) tests "$2" "${*:3}" ;;  # tests-of <seconds> <pytest arguments...>
   e2e) timeout "$2" python3 benchmarks/e2e.py --out "$OUT/e2e_$3.json" --model "${@:3}" 2>&1 | grep -v "^(\|Warn" \
          | tee "$OUT/e2e_$3.log"; cp /tmp/rlkit_e2e/rlkit.log "$OUT/e2e_$3_rlkit.log" 2>/dev/null ;;  # e2e <s> <model> [args]
-  train-mfu) timeout "$2" python3 benchmarks/train_mfu.py --out "$OUT/train_mfu.json" "${@:3}" 2>&1 | tail -5 ;;
+  train-mfu) timeout "$2" python3 benchmarks/train_mfu.py --out "$OUT/train_mfu_$3.json" "${@:4}" > "$OUT/train_mfu_$3.log" 2>&1
+             grep "^train_mfu\|Error" "$OUT/train_mfu_$3.log" | tail -3 ;;  # train-mfu <s> <label> [train_mfu.py args]
   refit-tests) tests 560 tests/gpu/test_vllm_refit.py ;;
   bench) generation; refit 1.5b 320 ;;
   refit-bench) refit 1.5b,7b 570 ;;

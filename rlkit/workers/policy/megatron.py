@@ -32,6 +32,7 @@ from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.micro_batches import LENGTH_MASKS, micro_batches, restore_rows
 from rlkit.data.packing import packed_attention_mask
 from rlkit.observability.logprob_agreement import agreement_sums, reference_kl_sums
+from rlkit.observability.profiling import profiled
 from rlkit.observability.startup import PhaseTimes, without_wandb
 from rlkit.refit.delta import EncodedBucket
 from rlkit.refit.plan import PackedBucket, RefitPlan
@@ -261,6 +262,7 @@ class MegatronModelWorker:
                             add(value, "optimizer")
         return kinds
 
+    @profiled
     def sleep(self) -> dict:
         """Free this rank's GPU memory for a colocated vLLM (policy.offload: all = weights and
         optimizer state to host memory, optimizer = optimizer state only; both drop the gradient
@@ -276,6 +278,7 @@ class MegatronModelWorker:
         copied, seconds = self.offload.sleep(keep, kinds["gradients"])
         return {"freed_bytes": freed, "copied_bytes": copied, "seconds": seconds, "pinned": self.pinned_bandwidth}
 
+    @profiled
     def wake(self) -> dict:
         """Undo sleep(); every call that touches the model calls it first. Returns bytes and seconds
         ({} if awake already)."""
@@ -429,6 +432,7 @@ class MegatronModelWorker:
         return metrics
 
     # ---- the step's rollout, held where it is used ------------------------------------
+    @profiled
     def hold(self, shard: Batch) -> None:
         """Keep this rank's DP shard of the step's rollout; the calls below read and extend it."""
         self.held = shard
@@ -445,6 +449,7 @@ class MegatronModelWorker:
 
         return [ray.put(self.held.select(*names))] if self._is_output() else None
 
+    @profiled
     def forward_held(self, into: str, reference: bool = False) -> dict | None:
         """Head outputs of the held rows (policy: logprobs, critic: values) from the model, or the
         frozen reference, stored as field `into` where they are computed (the last pipeline
@@ -461,6 +466,7 @@ class MegatronModelWorker:
             return {}
         return agreement_sums(output, self.held["generation_logprobs"], self.held["response_mask"])
 
+    @profiled
     def estimate_held(self, rewards: torch.Tensor, estimator: Callable) -> dict | None:
         """Token-level advantages where the data is (rewards: this shard's, per sample):
         estimator(held, rewards, reduce) returns new fields (stored) and metric sums (returned
@@ -473,6 +479,7 @@ class MegatronModelWorker:
         self.held = self.held.with_fields(**fields)
         return sums if self._is_output() else None
 
+    @profiled
     def train_held(self, part: int, parts: int, totals: BatchTotals, objective: Callable) -> dict | None:
         """One optimizer step on part `part` of `parts` equal slices of the held shard."""
         return self.train(self.held.split(parts)[part], totals, objective)
@@ -534,6 +541,7 @@ class MegatronModelWorker:
         host = "127.0.0.1" if channel_host == "loopback" else ray.util.get_node_ip_address()
         return self.refit_sender.open_channel(half, receivers, timeout_s, host)
 
+    @profiled
     def send_refit(self, plan: RefitPlan, with_checksum: bool, delta: bool = False) -> dict:
         return self.refit_sender.send(plan, with_checksum, delta)
 
