@@ -3,6 +3,7 @@
 #   bash scripts/gpu_session.sh tests|tests-of <s> <pytest args>|refit-tests|bench|bench-7b|refit-bench|refit-bench-512|all    logs and JSON land in $OUT
 #   bash scripts/gpu_session.sh smollm2-gap|smollm2-train    SmolLM2: train-vs-generation gap (layer by layer, and the recipe's), GRPO run
 #   bash scripts/gpu_session.sh bridge-run <s> <mbridge|megatron_bridge> [overrides]    the SmolLM2 recipe on one bridge
+#   bash scripts/gpu_session.sh smollm2-run <s> <label> [overrides]    the SmolLM2 recipe, its log and metrics labelled
 #   bash scripts/gpu_session.sh lora-run <s> <merged|adapter> [overrides]    the same with LoRA rank 16 on every linear layer; refit.peft as named
 #   bash scripts/gpu_session.sh e2e <s> <model> [e2e.py args] | train-mfu <s> <label> [train_mfu.py args]    end-to-end and training-throughput benchmarks
 #   TE=1 bash scripts/gpu_session.sh ...    with TransformerEngine from /tmp/site-te (scripts/build_te.sh builds its extension)
@@ -75,6 +76,7 @@ case "$1" in
   startup-run) smollm2; startup_run "$2" "$3" "${@:4}" ;;
   recipe-run) smollm2; recipe_run "$2" "$3" "${@:4}" ;;  # recipe-run <s> <recipe> [overrides]: e.g. grpo_smollm2_gpu_tools  # startup-run <s> <label> [overrides]: start-up phases, background checkpoints
   bridge-run) smollm2; bridge_run "$2" "$3" "$3" "${@:4}" ;;  # bridge-run <s> <mbridge|megatron_bridge> [overrides]
+  smollm2-run) smollm2; bridge_run "$2" "$3" mbridge "${@:4}" ;;  # smollm2-run <s> <label> [overrides]: the recipe on mbridge, labelled
   lora-run) smollm2; bridge_run "$2" "lora_$3" megatron_bridge "$LORA16" "refit.peft=$3" "${@:4}" ;;  # lora-run <s> <merged|adapter> [overrides]
   smollm2-gap) smollm2; gap ;;
   smollm2-train) smollm2; train_smollm2 "${2:-560}" "${@:3}" ;;
