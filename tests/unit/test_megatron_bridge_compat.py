@@ -6,12 +6,11 @@ tensor-parallel rank as its own columns, and an expert held on one rank exports 
 
 import importlib.util
 import json
-import socket
 import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import on_gloo_ranks
 
 from rlkit.bridge.megatron_bridge_compat import auto_bridge
 
@@ -107,13 +106,7 @@ def _two_rank_checks(rank: int, port: int, results):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_two_rank_checks, args=(port, results), nprocs=2)
-        return dict(results)
+    return on_gloo_ranks(_two_rank_checks)
 
 
 def test_tensor_parallel_load_gives_each_rank_its_own_columns(two_ranks):
