@@ -16,7 +16,7 @@ from rlkit.algorithms.losses import (KL_ESTIMATORS, ClippedPolicyLossConfig, DPO
                                      sequence_logprobs)
 from rlkit.algorithms.objectives import PolicyGradient
 from rlkit.data.batch import Batch
-from rlkit.workers.policy.megatron import entropy_from_logits
+from rlkit.workers.policy.token_head import token_logprobs_and_entropy
 from rlkit.algorithms.policy_gradient import kl_estimator, max_response_tokens
 from rlkit.config.schema import ConfigError
 from rlkit.data.batch import BatchTotals, batch_totals
@@ -295,7 +295,8 @@ def test_policy_gradient_objective_takes_the_entropy_with_its_gradient_from_the_
     batch = Batch({"response_mask": mask, "old_logprobs": torch.zeros(2, 3), "advantages": torch.zeros(2)})
     objective = PolicyGradient(policy_cfg(entropy_coef=0.5))
     assert objective.uses_entropy and not PolicyGradient(policy_cfg()).uses_entropy
-    entropy = entropy_from_logits(logits)
+    _, entropy = token_logprobs_and_entropy(logits, torch.zeros(2, 3, dtype=torch.long), 1.0, entropy=True,
+                                            entropy_grad=True)
     loss, _ = objective(torch.zeros(2, 3), batch.with_fields(entropy=entropy), batch_totals(mask))
     loss.backward()
     # zero advantages: the loss is the bonus alone, -0.5 x the token mean of the 3 masked entropies

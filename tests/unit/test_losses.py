@@ -9,7 +9,6 @@ from rlkit.algorithms.losses import (DPO_LOSS_TYPES, LOSS_AGGREGATIONS, ClippedP
                                      aggregate, clipped_policy_loss, dpo_loss, kl_k3, nll_loss, sequence_logprobs,
                                      value_loss)
 from rlkit.data.batch import BatchTotals, batch_totals
-from rlkit.workers.policy.megatron import entropy_from_logits
 from token_masks import MASK, with_garbage
 
 
@@ -238,25 +237,6 @@ def test_nll_loss_is_token_mean_of_negative_logprobs():
     loss, _ = nll_loss(torch.log(torch.tensor([[0.5, 0.25, 0.1]])), torch.tensor([[1.0, 1.0, 0.0]]),
                        BatchTotals(2.0, 1.0))
     assert loss.item() == pytest.approx(1.5 * math.log(2), abs=1e-6)
-
-
-def test_entropy_from_logits_matches_formula():
-    gen = torch.Generator().manual_seed(2)
-    logits = 3 * torch.randn(2, 3, 11, generator=gen)
-    entropy = entropy_from_logits(logits)
-    assert entropy.shape == (2, 3)
-    for b in range(2):
-        for t in range(3):
-            row = logits[b, t].tolist()
-            z = sum(math.exp(x) for x in row)
-            expected = -sum((math.exp(x) / z) * math.log(math.exp(x) / z) for x in row)
-            assert entropy[b, t].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
-
-
-def test_entropy_hand_values_and_dtype():
-    assert entropy_from_logits(torch.zeros(8)).item() == pytest.approx(math.log(8), abs=1e-6)  # uniform
-    assert entropy_from_logits(torch.tensor([0.0, -1e4])).item() == pytest.approx(0.0, abs=1e-6)  # one-hot
-    assert entropy_from_logits(torch.zeros(2, 4, dtype=torch.bfloat16)).dtype == torch.float32
 
 
 # ---- masks with left padding, holes and empty rows (token_masks.MASK) ----------------------------

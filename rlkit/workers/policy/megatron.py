@@ -41,6 +41,7 @@ from rlkit.workers.policy import dist_checkpoint
 from rlkit.workers.policy.adapter_base import record_base, weights_digest
 from rlkit.workers.policy.offload import HostOffload, pinned_bandwidth
 from rlkit.workers.policy.schedule import min_micro_batches, run_schedule
+from rlkit.workers.policy.token_head import token_logprobs_and_entropy
 from rlkit.workers.rendezvous import init_process_group
 
 ON_GPU = torch.cuda.is_available()
@@ -301,21 +302,22 @@ class MegatronModelWorker:
         return torch.nn.functional.pad(whole[:, :width - 1], (1, 0))
 
     def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._token_logprobs_and_entropy(logits, input_ids, entropy=False)[0]
+
+    def _token_logprobs_and_entropy(self, logits: torch.Tensor, input_ids: torch.Tensor, entropy: bool,
+                                    entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token-aligned logprobs [b, S]: position t holds log p(input_ids[t] | input_ids[:t]);
-        position 0 has no prediction and holds 0. logits are vocab-parallel [b, S / CP, V/TP] of
-        this CP rank's positions."""
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
+        position 0 has no prediction and holds 0. With entropy, that distribution's entropy [b, S]
+        aligned likewise (None without), with its gradient when entropy_grad (an entropy bonus in
+        the loss). logits are vocab-parallel [b, S / CP, V/TP] of this CP rank's positions, read at
+        the sampling temperature."""
         next_ids = self._share(torch.nn.functional.pad(input_ids[:, 1:], (0, 1)))  # the last predicts nothing read
-        logprobs = -vocab_parallel_cross_entropy((logits.float() / self.temperature).contiguous(), next_ids)
-        return self._token_aligned(logprobs, input_ids.shape[1])
-
-    def _token_entropy(self, logits: torch.Tensor, width: int, with_grad: bool = False) -> torch.Tensor:
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-        with torch.set_grad_enabled(with_grad):  # with_grad: an entropy bonus in the loss
-            full = gather_from_tensor_model_parallel_region(logits.float() / self.temperature)
-            return self._token_aligned(entropy_from_logits(full), width)
+        logprobs, token_entropy = token_logprobs_and_entropy(
+            logits, next_ids, self.temperature, self.mpu.get_tensor_model_parallel_group(),
+            entropy=entropy, entropy_grad=entropy_grad)
+        width = input_ids.shape[1]
+        return (self._token_aligned(logprobs, width),
+                None if token_entropy is None else self._token_aligned(token_entropy, width))
 
     def _model_inputs(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Tokens, positions and attention mask of this CP rank's share of a micro-batch's rows, each
@@ -398,11 +400,15 @@ class MegatronModelWorker:
             present = [k for k in (*MODEL_INPUTS, *LENGTH_MASKS) if k in batch]
             batch = batch.select(*dict.fromkeys([*present, *objective.fields]))
         def loss_fn(output, micro_batch):
-            entropy = self._token_entropy(output, micro_batch["input_ids"].shape[1], objective.uses_entropy) \
-                if self.head == "lm" else None
+            entropy = None  # the policy's, a metric
+            if self.head == "lm":
+                head_output, entropy = self._token_logprobs_and_entropy(output, micro_batch["input_ids"], entropy=True,
+                                                                        entropy_grad=objective.uses_entropy)
+            else:
+                head_output = self._head_output(output, micro_batch["input_ids"])
             if objective.uses_entropy:  # the objective reads it, with its gradient
                 micro_batch = micro_batch.with_fields(entropy=entropy)
-            value, sums = objective(self._head_output(output, micro_batch["input_ids"]), micro_batch, totals)
+            value, sums = objective(head_output, micro_batch, totals)
             sums = {k: v.item() for k, v in sums.items()}
             if entropy is not None:
                 sums["entropy"] = (entropy.detach() * micro_batch[objective.mask_key]).sum().item()
@@ -723,12 +729,6 @@ def _drop_megatron_group_holders(mpu) -> None:
                         ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding")]:
         if module in sys.modules:  # imported only by the models that use it
             getattr(sys.modules[module], cls).forward.cache_clear()
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of softmax(logits) over the last dim."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
 
 
 def _fill_empty_optimizer_states(optimizer):
