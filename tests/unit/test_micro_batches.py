@@ -59,3 +59,11 @@ def test_micro_batches_are_cut_and_outputs_come_back_in_row_order():
     lengths = row_lengths(batch)
     for r, n in enumerate(lengths):
         assert torch.equal(restored[r, :n], batch["input_ids"][r, :n])
+
+
+def test_micro_batch_metrics_are_summed_in_double_and_named():
+    from rlkit.workers.policy.schedule import summed_on_host
+
+    outputs = [{"loss": torch.tensor(0.25), "tokens": torch.tensor(3)},
+               {"loss": torch.tensor(1e-9, dtype=torch.float32), "tokens": torch.tensor(4)}]
+    assert summed_on_host(outputs) == {"loss": 0.25 + float(torch.tensor(1e-9)), "tokens": 7.0}

@@ -40,7 +40,7 @@ from rlkit.refit.sender import RefitSender, sending_half
 from rlkit.workers.policy import dist_checkpoint
 from rlkit.workers.policy.adapter_base import record_base, weights_digest
 from rlkit.workers.policy.offload import HostOffload, pinned_bandwidth
-from rlkit.workers.policy.schedule import min_micro_batches, run_schedule
+from rlkit.workers.policy.schedule import min_micro_batches, run_schedule, summed_on_host
 from rlkit.workers.policy.token_head import token_logprobs_and_entropy
 from rlkit.workers.rendezvous import init_process_group
 
@@ -370,14 +370,17 @@ class MegatronModelWorker:
     def _forward_with(self, batch: Batch, chunks: list) -> torch.Tensor | None:
         def loss_fn(output, micro_batch):
             out = self._head_output(output, micro_batch["input_ids"])
-            return torch.zeros((), device=out.device), {"output": out.detach().cpu()}
+            return torch.zeros((), device=out.device), {"output": out.detach()}
 
         self.wake()
         for chunk in chunks:
             chunk.eval()
         with torch.no_grad():
             outputs, row_order = self._run(batch, chunks, loss_fn, forward_only=True)
-        return restore_rows([o["output"] for o in outputs], row_order, batch["input_ids"].shape[1]) if outputs else None
+        if not outputs:
+            return None
+        # to the host once, not per micro-batch: each copy there would hold the host until the GPU caught up
+        return restore_rows([o["output"] for o in outputs], row_order, batch["input_ids"].shape[1]).cpu()
 
     def forward(self, batch: Batch) -> torch.Tensor | None:
         """Token-aligned logprobs (policy) or values (critic) of every row."""
@@ -409,10 +412,10 @@ class MegatronModelWorker:
             if objective.uses_entropy:  # the objective reads it, with its gradient
                 micro_batch = micro_batch.with_fields(entropy=entropy)
             value, sums = objective(head_output, micro_batch, totals)
-            sums = {k: v.item() for k, v in sums.items()}
+            sums = {k: v.detach() for k, v in sums.items()}
             if entropy is not None:
-                sums["entropy"] = (entropy.detach() * micro_batch[objective.mask_key]).sum().item()
-            sums["loss"] = value.item()
+                sums["entropy"] = (entropy.detach() * micro_batch[objective.mask_key]).sum()
+            sums["loss"] = value.detach()
             return value, sums
 
         self.wake()
@@ -433,9 +436,7 @@ class MegatronModelWorker:
             self.background_save.reserve(dist_checkpoint.state_bytes(self.model, self.optimizer))
         if not outputs:
             return None
-        metrics = {k: sum(o[k] for o in outputs) for k in outputs[0]}
-        metrics["grad_norm"] = float(grad_norm)
-        return metrics
+        return {**summed_on_host(outputs), "grad_norm": float(grad_norm)}
 
     # ---- the step's rollout, held where it is used ------------------------------------
     @profiled
@@ -495,14 +496,14 @@ class MegatronModelWorker:
         output ranks, summed over micro-batches (each is its exact share of the whole)."""
         def loss_fn(output, micro_batch):
             value, sums = objective(self._head_output(output, micro_batch["input_ids"]), micro_batch, totals)
-            return value, {"loss": value.item(), **{k: v.item() for k, v in sums.items()}}
+            return value, {"loss": value.detach(), **{k: v.detach() for k, v in sums.items()}}
 
         self.wake()
         for chunk in self.model:
             chunk.eval()
         with torch.no_grad():
             outputs, _ = self._run(self.held, self.model, loss_fn, forward_only=True)
-        return {k: sum(o[k] for o in outputs) for k in outputs[0]} if outputs and self._is_output() else None
+        return summed_on_host(outputs) if outputs and self._is_output() else None
 
     def _is_output(self) -> bool:
         return (self.mpu.get_tensor_model_parallel_rank() == 0 and self.mpu.get_context_parallel_rank() == 0

@@ -4,6 +4,8 @@ Megatron's interleaved schedule runs."""
 
 from typing import Callable
 
+import torch
+
 from rlkit.data.batch import Batch
 
 
@@ -35,3 +37,12 @@ def run_schedule(chunks: list, parts: list[Batch], forward_step: Callable, pipel
         forward_step_func=forward_step, data_iterator=data, model=chunks, num_microbatches=len(parts),
         seq_length=max(p["input_ids"].shape[1] for p in parts), micro_batch_size=max(len(p) for p in parts),
         forward_only=forward_only)
+
+
+def summed_on_host(outputs: list[dict]) -> dict[str, float]:
+    """Each metric summed over the micro-batches' outputs (0-dim tensors, left on the device by the
+    loss function), brought to the host in one copy: an .item() per micro-batch would make the
+    host wait for the GPU at each one instead of queueing the next."""
+    names = list(outputs[0])
+    sums = torch.stack([torch.stack([o[k].double() for k in names]) for o in outputs]).sum(dim=0)
+    return dict(zip(names, sums.tolist()))
