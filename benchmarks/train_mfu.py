@@ -10,6 +10,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,6 +38,7 @@ def main():
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps (after one warm-up step)")
     parser.add_argument("--work-dir", default="/tmp/rlkit_e2e")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--profile", help="a folder: the operator tables of the first timed step (rlkit/observability/profiling.py)")
     parser.add_argument("overrides", nargs="*", help="extra rlkit key=value")
     args = parser.parse_args()
     model_dir = model_dir_for(args.model, Path(args.work_dir) / "cache")
@@ -46,6 +48,8 @@ def main():
                                        f"generation.vllm.max_model_len={args.tokens}" if torch.cuda.is_available()
                                        else "generation.max_new_tokens=8", *args.overrides])
     shape = DecoderShape.of(json.loads((model_dir / "config.json").read_text()))
+    if args.profile:  # the workers read it at each call: call 2 is the first step after the warm-up
+        os.environ.update(RLKIT_PROFILE_DIR=str(Path(args.profile).resolve()), RLKIT_PROFILE_CALLS="2")
     workers = start_workers(cfg, str(model_dir), with_generation=False)
     try:
         vocab = min(shape.vocab, 32000)

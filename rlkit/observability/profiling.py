@@ -55,7 +55,7 @@ def profiler_activities() -> list:
 
 def write_tables(path: Path, name: str, seconds: float, profile) -> None:
     averages = profile.key_averages()
-    sorts = (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
+    sorts = (["self_device_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
     tables = [f"{name}: {seconds:.4f} s wall (profiled)"]
     tables += [f"by {key}:\n{averages.table(sort_by=key, row_limit=ROWS)}" for key in sorts]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -394,6 +394,7 @@ class MegatronModelWorker:
             raise RuntimeError("the reference policy was asked for before init_reference")
         return self._forward_with(batch, self.reference)
 
+    @profiled
     def train(self, batch: Batch, totals: BatchTotals, objective: Callable) -> dict | None:
         """One optimizer step over this rank's shard of a mini-batch, minimising
         objective(head output, micro_batch, totals) (see algorithms/objectives.py). Returns summed
@@ -486,7 +487,6 @@ class MegatronModelWorker:
         self.held = self.held.with_fields(**fields)
         return sums if self._is_output() else None
 
-    @profiled
     def train_held(self, part: int, parts: int, totals: BatchTotals, objective: Callable) -> dict | None:
         """One optimizer step on part `part` of `parts` equal slices of the held shard."""
         return self.train(self.held.split(parts)[part], totals, objective)
