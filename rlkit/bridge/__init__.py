@@ -6,6 +6,7 @@ backend behind it (open_bridge):
 What both build the same way (RL settings, local layer spec, value and fp32 LM heads, row
 export) lives in common.py."""
 
+import importlib.util
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Iterator
 
@@ -33,6 +34,32 @@ def check_bridge_supports(bridge: str, model_type: str):
     if checked is not None and model_type not in checked:
         raise ConfigError(f"policy.bridge: {bridge} converts the architectures {list(checked)}, not "
                           f"{model_type!r}; use policy.bridge=mbridge for it")
+
+
+def transformer_engine_installed() -> bool:
+    """Whether the backends build TransformerEngine's layer spec (they do wherever it imports)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def check_transformer_engine_layout(context_parallel_size: int, packing_key: str | None, packing_off: str) -> None:
+    """With TransformerEngine installed, its attention replaces rlkit's SDPA attention, which is what
+    takes rlkit's context-parallel split and the mask that keeps each sequence of a packed row to
+    itself (TE's attends causally over the whole row): a ConfigError for a run that needs either.
+    packing_key names the key that packs rows (None: none does), packing_off its setting that doesn't."""
+    if not transformer_engine_installed():
+        return
+    if context_parallel_size > 1:
+        # the worker splits rows and cuts packed masks the way rlkit/bridge/context_parallel.py attends;
+        # TE's context-parallel attention takes neither, and this pairing has never run
+        raise ConfigError(f"policy.context_parallel_size: context parallelism runs on rlkit's SDPA attention, "
+                          f"which TransformerEngine's layer spec replaces (TE is installed here; got "
+                          f"context_parallel_size={context_parallel_size}); set "
+                          f"policy.context_parallel_size=1 or run without transformer_engine")
+    if packing_key is not None:
+        raise ConfigError(f"{packing_key}: packed rows keep each sequence's attention to itself through rlkit's "
+                          f"SDPA attention, which TransformerEngine's layer spec replaces (TE is installed here, "
+                          f"and its attention would cross sequences); set {packing_off} or run without "
+                          f"transformer_engine")
 
 
 class ModelBridge(ABC):

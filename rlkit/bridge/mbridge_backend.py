@@ -12,7 +12,6 @@ from rlkit.bridge import ModelBridge
 from rlkit.bridge.common import (RL_MODEL_SETTINGS, RowExport, core_attention, head_hooks, holds_every_weight,
                                  local_layer_spec, probe_rows, rope_settings_in_parameters, router_gemm_without_te,
                                  specs_take_vp_stage, unwrap, without_grad)
-from rlkit.config.schema import ConfigError
 
 _patched = set()
 
@@ -106,13 +105,6 @@ class MBridge(ModelBridge):
                 self._bridge.config, attention, vp_stage)
             # which mbridge's own spec method records, and its model provider reads under virtual stages
             self._bridge.has_vp_stage = specs_take_vp_stage()
-        elif self._bridge.config.context_parallel_size > 1:
-            # the worker splits rows and cuts packed masks the way rlkit/bridge/context_parallel.py attends;
-            # TE's context-parallel attention takes neither, and this pairing has never run
-            raise ConfigError(f"policy.context_parallel_size: context parallelism runs on rlkit's SDPA attention, "
-                              f"which TransformerEngine's layer spec replaces (TE is installed here; got "
-                              f"context_parallel_size={self._bridge.config.context_parallel_size}); set "
-                              f"policy.context_parallel_size=1 or run without transformer_engine")
 
     @property
     def transformer_config(self):

@@ -24,7 +24,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from rlkit.algorithms.lr_schedule import SCHEDULES, check_learning_rate
 from rlkit.algorithms.registry import load_algorithm
-from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports
+from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports, check_transformer_engine_layout
 from rlkit.bridge.adapters import check_init_from, check_peft
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
@@ -269,6 +269,7 @@ def validate(cfg: RootConfig) -> None:
     _validate_virtual_pipeline(p, shape.layers, dp)
     _validate_context_parallel(p, shape.experts)
     _validate_bridge(p)
+    check_transformer_engine_layout(p.context_parallel_size, *_packing(cfg))
     check_peft(p.peft, p.bridge, shape.hidden)
     check_init_from(p.peft)
     if algorithm.rollouts:
@@ -363,6 +364,16 @@ def _validate_bridge(p: PolicyConfig) -> None:
         if value > 1:
             raise ConfigError(f"{key}: policy.bridge=megatron_bridge runs with {key}=1 only (got: {value}); set "
                               f"{key}=1 or policy.bridge=mbridge")
+
+
+def _packing(cfg: RootConfig) -> tuple[str | None, str]:
+    """The key that makes the run pack rows (None: nothing does), and its setting that does not."""
+    warm_start = getattr(cfg.algorithm, "warm_start", None)
+    if warm_start is not None and warm_start.sft_steps > 0:  # the warm start's SFT packs its examples
+        return "algorithm.warm_start.sft_steps", "algorithm.warm_start.sft_steps=0"
+    if cfg.algorithm.name == "sft" and cfg.data.pack:
+        return "data.pack", "data.pack=false"
+    return None, ""
 
 
 def _validate_context_parallel(p: PolicyConfig, experts: int) -> None:
