@@ -1,150 +1,19 @@
 """HF <-> Megatron-Core: build GPTModel chunks from an HF checkpoint, load its weights, stream
-HF-named tensors back out. The rest of rlkit sees only `ModelBridge`; policy.bridge picks the
-backend behind it (open_bridge):
-  mbridge          mbridge 0.15.1 (mbridge_backend.py)
+HF-named tensors back out. The rest of rlkit sees only `ModelBridge` (base.py, with what each
+backend is known to convert); policy.bridge picks the backend behind it (open_bridge):
+  mbridge          mbridge 0.15.1 (mbridge_backend.py, its fixes in mbridge_compat.py)
   megatron_bridge  NVIDIA's Megatron-Bridge 0.3.1, AutoBridge (megatron_bridge_backend.py)
 What both build the same way (RL settings, local layer spec, value and fp32 LM heads, row
 export) lives in common.py."""
 
-import importlib.util
-from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from rlkit.bridge.adapters import check_peft
+from rlkit.bridge.base import BRIDGES, ModelBridge
 from rlkit.config.schema import ConfigError, PeftConfig
 
-if TYPE_CHECKING:  # loading a config reads this package's names and checks: no torch for those
+if TYPE_CHECKING:
     import torch
-
-    from rlkit.bridge.common import RowExport
-
-# policy.attention_backend: torch SDPA (sdpa_attention.py) or Megatron's unfused DotProductAttention
-ATTENTION_BACKENDS = ("sdpa", "local")
-# policy.bridge
-BRIDGES = ("mbridge", "megatron_bridge")
-# HF model types each backend converts as rlkit's tests check it (parity with HF, bit-exact export);
-# None: whatever the backend itself maps
-CHECKED_MODEL_TYPES = {"mbridge": None,
-                       "megatron_bridge": ("qwen2", "qwen3", "llama", "qwen3_moe", "glm4_moe")}
-
-
-def check_bridge_supports(bridge: str, model_type: str):
-    """A ConfigError naming policy.bridge and the architecture where `bridge` does not convert it."""
-    checked = CHECKED_MODEL_TYPES[bridge]
-    if checked is not None and model_type not in checked:
-        raise ConfigError(f"policy.bridge: {bridge} converts the architectures {list(checked)}, not "
-                          f"{model_type!r}; use policy.bridge=mbridge for it")
-
-
-def transformer_engine_installed() -> bool:
-    """Whether the backends build TransformerEngine's layer spec (they do wherever it imports)."""
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-def check_transformer_engine_layout(context_parallel_size: int, packing_key: str | None, packing_off: str) -> None:
-    """With TransformerEngine installed, its attention replaces rlkit's SDPA attention, which is what
-    takes rlkit's context-parallel split and the mask that keeps each sequence of a packed row to
-    itself (TE's attends causally over the whole row): a ConfigError for a run that needs either.
-    packing_key names the key that packs rows (None: none does), packing_off its setting that doesn't."""
-    if not transformer_engine_installed():
-        return
-    if context_parallel_size > 1:
-        # the worker splits rows and cuts packed masks the way rlkit/bridge/context_parallel.py attends;
-        # TE's context-parallel attention takes neither, and this pairing has never run
-        raise ConfigError(f"policy.context_parallel_size: context parallelism runs on rlkit's SDPA attention, "
-                          f"which TransformerEngine's layer spec replaces (TE is installed here; got "
-                          f"context_parallel_size={context_parallel_size}); set "
-                          f"policy.context_parallel_size=1 or run without transformer_engine")
-    if packing_key is not None:
-        raise ConfigError(f"{packing_key}: packed rows keep each sequence's attention to itself through rlkit's "
-                          f"SDPA attention, which TransformerEngine's layer spec replaces (TE is installed here, "
-                          f"and its attention would cross sequences); set {packing_off} or run without "
-                          f"transformer_engine")
-
-
-class ModelBridge(ABC):
-    """One HF checkpoint directory (hf_dir, its hf_config) seen as Megatron model chunks. Create it
-    after megatron's parallel_state is initialized: the bridge reads TP/PP/CP/EP from it."""
-
-    hf_dir: str
-    hf_config: object
-
-    @property
-    @abstractmethod
-    def transformer_config(self):
-        """The TransformerConfig every model built here holds."""
-
-    @abstractmethod
-    def build(self, bf16: bool, wrap_with_ddp: bool, use_distributed_optimizer: bool = False,
-              value_head: bool = False, fp32_lm_head: bool = False) -> list:
-        """Model chunks of this rank; value_head=True swaps the LM head for a ValueHead (a critic)
-        before DDP wraps the model, so DDP and the optimizer see the head's parameters;
-        fp32_lm_head computes the logits in fp32 (common.lm_head_in_fp32)."""
-
-    @abstractmethod
-    def load_hf_weights(self, chunks: list, hf_dir: str | None = None):
-        """The checkpoint's weights (hf_dir, else the bridge's own) into the chunks. Collective."""
-
-    @abstractmethod
-    def export_hf_weights(self, chunks: list) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """Yield (hf_name, tensor) gathered across TP/PP/EP, one tensor at a time, in the same order
-        at every call. Collective: every model-parallel rank must iterate it to the end. No
-        autograd: the broadcasts and gathers inside must not record graphs on parameters that
-        require grad."""
-
-    @abstractmethod
-    def export_rows(self, chunks: list) -> "RowExport | None":
-        """The export as row moves (common.probe_rows): for each HF tensor, in export order, the
-        Megatron parameter rows it is made of. Only where this rank holds every weight (TP=PP=EP=1,
-        one chunk); None otherwise, or where a conversion does more than move rows. The caller
-        checks the result against a real export before trusting it (see policy refit_manifest)."""
-
-    @abstractmethod
-    def save_hf_weights(self, chunks: list, out_dir: str):
-        """The chunks' weights as an HF safetensors checkpoint in out_dir. Collective."""
-
-    def checkpointed_state(self, model) -> dict:
-        """The unwrapped model chunk's sharded state dict as a distributed checkpoint holds it:
-        every weight, or with adapters the adapters alone (the frozen base is the HF checkpoint
-        it was loaded from)."""
-        return model.sharded_state_dict()
-
-    def load_model_state(self, model, state: dict):
-        """A distributed checkpoint's model state (as checkpointed_state laid it out, loaded) into
-        the unwrapped model chunk."""
-        model.load_state_dict(state)
-
-    # policy.peft: every model built here carries trainable adapters over frozen weights; exports
-    # and saves hold the adapters merged into the weights
-    has_adapters: bool = False
-
-    def adapters_disabled(self, chunks: list):
-        """A context in which the chunks compute without their adapters: the base model."""
-        raise NotImplementedError(f"{type(self).__name__} builds no adapters")
-
-    def load_adapter_checkpoint(self, chunks: list, checkpoint_dir: str):
-        """The adapters of a distributed adapter checkpoint (a policy.peft run's policy/ folder),
-        saved at any TP/PP. Collective."""
-        raise NotImplementedError(f"{type(self).__name__} builds no adapters")
-
-    def restart_adapters(self, chunks: list):
-        """Adapters back to adding nothing (as created), so the chunks compute their base model."""
-        raise NotImplementedError(f"{type(self).__name__} builds no adapters")
-
-    def load_trunk_weights(self, critic_chunks: list, bf16: bool):
-        """Initialise a critic from the HF checkpoint: every weight but the LM head (which the
-        critic replaced). Goes through a temporary LM so the bridge's own name mapping is used."""
-        from rlkit.bridge.common import unwrap
-
-        lm = self.build(bf16=bf16, wrap_with_ddp=False)
-        self.load_hf_weights(lm)
-        for lm_chunk, critic_chunk in zip(lm, critic_chunks):
-            trunk = {k: v for k, v in unwrap(lm_chunk).state_dict().items() if not k.startswith("output_layer.")}
-            missing, unexpected = unwrap(critic_chunk).load_state_dict(trunk, strict=False)
-            missing = [k for k in missing if not k.startswith("output_layer.") and not k.endswith("_extra_state")]
-            if missing or unexpected:
-                raise RuntimeError(f"critic trunk does not match the policy's: missing {missing[:3]}, "
-                                   f"unexpected {unexpected[:3]}")
 
 
 def import_backend(bridge: str) -> None:

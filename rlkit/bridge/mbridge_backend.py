@@ -1,78 +1,17 @@
-"""policy.bridge=mbridge: HF <-> Megatron-Core through mbridge 0.15.1, patched to build and map
-Megatron's local (non-TE) layer spec where TransformerEngine is not installed."""
+"""policy.bridge=mbridge: HF <-> Megatron-Core through mbridge 0.15.1, with the fixes of
+mbridge_compat.py, building Megatron's local (non-TE) layer spec where TransformerEngine is not
+installed."""
 
-import importlib.util
-import re
 from functools import partial
 from typing import Iterator
 
 import torch
 
-from rlkit.bridge import ModelBridge
+from rlkit.bridge.base import ModelBridge, transformer_engine_installed
 from rlkit.bridge.common import (RL_MODEL_SETTINGS, RowExport, core_attention, head_hooks, holds_every_weight,
                                  local_layer_spec, probe_rows, rope_settings_in_parameters, router_gemm_without_te,
                                  specs_take_vp_stage, unwrap, without_grad)
-
-_patched = set()
-
-
-def _isolate_name_tables():
-    """mbridge's Qwen2 bridge rewrites its class-level `_DIRECT_MAPPING` for tied embeddings,
-    so a tied model built earlier in the process breaks every later untied one. Give each
-    bridge instance its own copy before it adjusts it."""
-    if "name_tables" in _patched:
-        return
-    from mbridge.core.bridge import Bridge
-
-    adjust = Bridge.__init__
-
-    def init_with_own_tables(self, *args, **kwargs):
-        self._DIRECT_MAPPING = dict(type(self)._DIRECT_MAPPING)
-        adjust(self, *args, **kwargs)
-
-    Bridge.__init__ = init_with_own_tables
-    _patched.add("name_tables")
-
-
-# SequentialMLP's name for an expert's weight (the local spec); TEGroupedMLP's is experts.linear_fc1.weight<i>
-_SEQUENTIAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-
-
-def _local_names_as_te():
-    """Without TransformerEngine, mbridge 0.15.1's name tables still expect the TE spec's names.
-    Where mbridge maps a model's parameter names to global ones (loading, exporting, export_rows),
-    give the local spec's weights the names TE's spec has for them:
-    - the attention norm fused into linear_qkv, and the MLP norm fused into linear_fc1 in a dense
-      layer (an MoE layer keeps its own pre_mlp_layernorm under TE too);
-    - an expert's weights as TEGroupedMLP's, numbered by this rank's own expert index where mbridge
-      adds the EP offset itself (consider_ep=False: the export), by the global index otherwise.
-    Loading then splits these experts over the TP group rather than the expert-TP group: the same
-    ranks while expert TP = TP, Megatron's default, which rlkit keeps."""
-    if "local_names" in _patched:
-        return
-    from mbridge.core.bridge import Bridge
-
-    to_global = Bridge._weight_name_mapping_mcore_local_to_global
-
-    def te_names(self, model, consider_ep=True):
-        names = to_global(self, model, consider_ep)
-        moe_layers = {name.split(".mlp.router.")[0] for name in names.values() if ".mlp.router." in name}
-        first_expert = 0
-        if consider_ep and moe_layers:
-            first_expert = self.mpu.ep_rank * self.config.num_moe_experts // self.mpu.ep_size
-
-        def te_name(name):
-            name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
-            layer = name.split(".pre_mlp_layernorm.")[0]
-            if layer != name and layer not in moe_layers:
-                name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
-            return _SEQUENTIAL_EXPERT.sub(lambda m: f".mlp.experts.{m[2]}.weight{first_expert + int(m[1])}", name)
-
-        return {local: te_name(name) for local, name in names.items()}
-
-    Bridge._weight_name_mapping_mcore_local_to_global = te_names
-    _patched.add("local_names")
-
+from rlkit.bridge.mbridge_compat import isolate_name_tables, local_names_as_te
 
 def _creation_callback(hook):
     """A head hook (common.head_hooks) in mbridge's post_model_creation_callbacks form."""
@@ -87,15 +26,15 @@ class MBridge(ModelBridge):
         from mbridge import AutoBridge
         from transformers import AutoConfig
 
-        _isolate_name_tables()
+        isolate_name_tables()
         self.hf_dir = str(hf_dir)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
         for key, value in rope_settings_in_parameters(self.hf_config).items():
             setattr(self.hf_config, key, value)
         self._bridge = AutoBridge.from_config(self.hf_config, dtype=params_dtype)
         self._bridge.set_extra_args(**RL_MODEL_SETTINGS)
-        if importlib.util.find_spec("transformer_engine") is None:
-            _local_names_as_te()
+        if not transformer_engine_installed():
+            local_names_as_te()
             router_gemm_without_te()
             # grouped experts need TE (or the grouped_gemm package): one torch MLP per local expert instead
             self._bridge.set_extra_args(moe_grouped_gemm=False)

@@ -9,14 +9,13 @@ task per Megatron weight, planned once per model and reused by every export, so 
 out in one fixed order, one tensor at a time; with adapters, each weight comes out with its
 adapter merged in."""
 
-import importlib.util
 import weakref
 from functools import partial
 from typing import Iterator
 
 import torch
 
-from rlkit.bridge import ModelBridge, check_bridge_supports
+from rlkit.bridge.base import ModelBridge, check_bridge_supports, transformer_engine_installed
 from rlkit.bridge.common import (RL_MODEL_SETTINGS, RowExport, core_attention, head_hooks, holds_every_weight,
                                  local_layer_spec, probe_rows, router_gemm_without_te, unwrap, without_grad)
 from rlkit.bridge.megatron_bridge_compat import auto_bridge
@@ -44,7 +43,7 @@ class MegatronBridge(ModelBridge):
                      "moe_token_dispatcher_type": "alltoall",
                      # num_nextn_predict_layers: 0 maps to 0 MTP layers, which Megatron spells None
                      "mtp_num_layers": provider.mtp_num_layers or None}
-        if importlib.util.find_spec("transformer_engine") is None:
+        if not transformer_engine_installed():
             router_gemm_without_te()
             # grouped experts and the fused permutation need TE: one torch MLP per local expert
             # instead; the shared expert runs in line rather than overlapped on a side stream

@@ -28,6 +28,7 @@ import re
 import sys
 import types
 
+from rlkit.bridge.base import transformer_engine_installed
 from rlkit.bridge.common import rope_settings_in_parameters
 
 _applied = False
@@ -37,7 +38,7 @@ def auto_bridge():
     """Megatron-Bridge's AutoBridge class, with the fixes above in place."""
     global _applied
     if not _applied:
-        if importlib.util.find_spec("transformer_engine") is None:
+        if not transformer_engine_installed():
             _import_without_transformer_engine("megatron.bridge")
         _contiguous_tensor_parallel_shards()
         _rope_from_rope_parameters()

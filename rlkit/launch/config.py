@@ -24,7 +24,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from rlkit.algorithms.lr_schedule import SCHEDULES, check_learning_rate
 from rlkit.algorithms.registry import load_algorithm
-from rlkit.bridge import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports, check_transformer_engine_layout
+from rlkit.bridge.base import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports, check_transformer_engine_layout
 from rlkit.bridge.adapters import check_init_from, check_peft
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS

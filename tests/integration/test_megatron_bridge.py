@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from test_policy_parity import TOLERANCE, _hf_logprobs
 
-from rlkit.bridge import CHECKED_MODEL_TYPES
+from rlkit.bridge.base import CHECKED_MODEL_TYPES
 from rlkit.data.batch import Batch
 from rlkit.launch.run import train
 from rlkit.models.resolve import resolve_model_dir

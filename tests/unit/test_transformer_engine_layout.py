@@ -3,7 +3,7 @@ needs rlkit's attention (context parallelism, packed rows) is refused at config 
 
 import pytest
 
-import rlkit.bridge
+import rlkit.bridge.base
 from rlkit.config.schema import ConfigError
 from rlkit.launch.config import load_config
 
@@ -23,7 +23,7 @@ NEEDS_SDPA = [
 def test_a_run_that_needs_rlkits_attention_is_refused_where_te_is_installed(monkeypatch, recipe, overrides, starts,
                                                                            fix):
     load_config(recipe, overrides)  # without TransformerEngine (this machine) it loads
-    monkeypatch.setattr(rlkit.bridge, "transformer_engine_installed", lambda: True)
+    monkeypatch.setattr(rlkit.bridge.base, "transformer_engine_installed", lambda: True)
     with pytest.raises(ConfigError) as refused:
         load_config(recipe, overrides)
     message = str(refused.value)
@@ -31,7 +31,7 @@ def test_a_run_that_needs_rlkits_attention_is_refused_where_te_is_installed(monk
 
 
 def test_runs_that_pack_nothing_load_with_te(monkeypatch):
-    monkeypatch.setattr(rlkit.bridge, "transformer_engine_installed", lambda: True)
+    monkeypatch.setattr(rlkit.bridge.base, "transformer_engine_installed", lambda: True)
     load_config("grpo_tiny_cpu", ["algorithm.warm_start.sft_steps=0"])
     load_config("sft_tiny_cpu", ["data.pack=false"])
     load_config("dpo_tiny_cpu", ["algorithm.warm_start.sft_steps=0"])
