@@ -1,13 +1,15 @@
-"""What a worker's train step minimises. Each objective binds one pure loss from losses.py to the
-Batch fields it reads, and declares them (`fields`): only those (and the model's inputs) reach the
-worker's train step. The worker stays loss-agnostic and calls `objective(output, micro_batch,
-totals)` on its model's output: token-aligned logprobs [b, S] for a policy, values [b, S] for a
-critic. An objective whose `uses_entropy` is true also finds the policy's token entropy [b, S],
-with its gradient, in the micro-batch's field `entropy` (the worker computes it from the logits).
+"""What a worker's train step minimises. Each objective binds one pure loss from losses.py (for
+PolicyGradient, or a function of one's own: algorithm.policy_loss) to the Batch fields it reads,
+and declares them (`fields`): only those (and the model's inputs) reach the worker's train step.
+The worker stays loss-agnostic and calls `objective(output, micro_batch, totals)` on its model's
+output: token-aligned logprobs [b, S] for a policy, values [b, S] for a critic. An objective
+whose `uses_entropy` is true also finds the policy's token entropy [b, S], with its gradient, in
+the micro-batch's field `entropy` (the worker computes it from the logits).
 Objectives are frozen dataclasses, so they travel to Ray workers as plain data.
 """
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -18,13 +20,17 @@ from rlkit.data.batch import Batch, BatchTotals
 
 @dataclass(frozen=True)
 class PolicyGradient:
-    """Clipped surrogate on advantages (GRPO, PPO's actor, REINFORCE++, RLOO), with the loss's
-    variants (dual-clip, KL estimator, GSPO's sequence ratio, aggregation, entropy bonus) in its
-    config and an optional off-policy correction."""
+    """A policy loss on advantages (GRPO, PPO's actor, REINFORCE++, RLOO): the clipped surrogate,
+    with its variants (dual-clip, KL estimator, GSPO's sequence ratio, aggregation, entropy bonus)
+    in its config, or the function algorithm.policy_loss names, which gets the same arguments
+    (rlkit/algorithms/registry.py load_policy_loss); and an optional off-policy correction."""
 
     loss: ClippedPolicyLossConfig
     mask_key: str = "response_mask"
     off_policy_weighted: bool = False  # the held off_policy_weights multiply the loss (rlkit/algorithms/off_policy.py)
+    # (logprobs, old_logprobs, advantages, mask, loss, totals, reference_logprobs=, off_policy_weights=, entropy=)
+    # -> (loss, masked token sums); travels to the workers by name, so its module must import there
+    loss_function: Callable = clipped_policy_loss
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -36,10 +42,11 @@ class PolicyGradient:
         return self.loss.entropy_coef > 0
 
     def __call__(self, logprobs: torch.Tensor, batch: Batch, totals: BatchTotals):
-        return clipped_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch[self.mask_key],
-                                   self.loss, totals, batch["reference_logprobs"] if self.loss.kl_coef > 0 else None,
-                                   batch["off_policy_weights"] if self.off_policy_weighted else None,
-                                   batch["entropy"] if self.uses_entropy else None)
+        return self.loss_function(
+            logprobs, batch["old_logprobs"], batch["advantages"], batch[self.mask_key], self.loss, totals,
+            reference_logprobs=batch["reference_logprobs"] if self.loss.kl_coef > 0 else None,
+            off_policy_weights=batch["off_policy_weights"] if self.off_policy_weighted else None,
+            entropy=batch["entropy"] if self.uses_entropy else None)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from rlkit.algorithms.losses import ClippedPolicyLossConfig
 from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
 from rlkit.algorithms.objectives import PolicyGradient
 from rlkit.algorithms.off_policy import OffPolicyCorrection, off_policy_metrics
+from rlkit.algorithms.registry import load_policy_loss
 # the family's config, checks and estimator adapter, re-exported for algorithms of one's own
 from rlkit.algorithms.policy_gradient_spec import (PolicyGradientConfig, kl_estimator,  # noqa: F401
                                                    max_response_tokens, per_sample, validate)
@@ -79,9 +80,27 @@ def warm_start_on_answers(cfg: RootConfig, policy, tokenizer, data: TrainingData
     sft_steps(policy, example, tokenizer.pad_token_id, data.train, w.sft_steps, w.batch_size, w.lr, cfg.run.seed)
 
 
+def policy_objective(cfg: RootConfig, kl_in_loss: bool) -> PolicyGradient:
+    """What the policy's train step minimises: the loss algorithm.policy_loss names, on the
+    algorithm's loss keys (the KL a loss term only where kl_in_loss), with the off-policy weights
+    when a correction is on."""
+    a = cfg.algorithm
+    loss = ClippedPolicyLossConfig(a.clip_low, a.clip_high, a.kl_coef if kl_in_loss else 0.0, a.loss_aggregation,
+                                   a.dual_clip_c, kl_estimator(a, in_loss=True), a.importance_ratio,
+                                   max_response_tokens(cfg), a.entropy_coef)
+    return PolicyGradient(loss, off_policy_weighted=a.off_policy_correction != "none",
+                          loss_function=load_policy_loss(a.policy_loss))
+
+
 # extra dynamic-sampling rounds shift the sampling seed by this much per round: round 0 keeps the
 # step's seed, and no two (step, round) pairs share a seed in runs of fewer steps
 EXTRA_ROUND_SEED_STRIDE = 1_000_000
+
+
+# the masked token sums of the policy loss (and the worker's entropy), reported as means per
+# response token under these names; a loss of one's own reports its other sums as train/<name>
+TOKEN_MEANS = {"clipped_tokens": "train/clip_fraction", "dual_clipped_tokens": "train/dual_clip_fraction",
+               "entropy": "train/entropy", "ratio": "train/importance_ratio", "kl": "train/kl"}
 
 
 class PolicyGradientTrainer:
@@ -95,10 +114,7 @@ class PolicyGradientTrainer:
         self.rows_per_step = cfg.algorithm.prompts_per_step
         a, g = cfg.algorithm, cfg.generation
         self.kl_in_loss = self.algorithm.kl_in_loss(a)
-        self.objective = PolicyGradient(ClippedPolicyLossConfig(
-            a.clip_low, a.clip_high, a.kl_coef if self.kl_in_loss else 0.0, a.loss_aggregation, a.dual_clip_c,
-            kl_estimator(a, in_loss=True), a.importance_ratio, max_response_tokens(cfg), a.entropy_coef),
-            off_policy_weighted=a.off_policy_correction != "none")
+        self.objective = policy_objective(cfg, self.kl_in_loss)
         self.off_policy = OffPolicyCorrection(a.off_policy_correction, a.tis_cap, a.seq_mask_low, a.seq_mask_high) \
             if a.off_policy_correction != "none" else None
         self.sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, seed=cfg.run.seed,
@@ -231,15 +247,9 @@ class PolicyGradientTrainer:
         every held shard (totals[i] counts that mini-batch over all shards)."""
         sums = train_minibatches(self.policy, totals, self.objective, self.lr, first_optimizer_step)
         tokens = max(sum(t.num_tokens for t in totals), 1.0)
-        out = {"train/loss": sums["loss"] / len(totals), "train/grad_norm": sums["grad_norm"] / len(totals),
-               "train/lr": sums["lr"],
-               "train/clip_fraction": sums["clipped_tokens"] / tokens, "train/entropy": sums["entropy"] / tokens,
-               "train/importance_ratio": sums["ratio"] / tokens}
-        if "dual_clipped_tokens" in sums:
-            out["train/dual_clip_fraction"] = sums["dual_clipped_tokens"] / tokens
-        if "kl" in sums:
-            out["train/kl"] = sums["kl"] / tokens
-        return out
+        out = {"train/loss": sums.pop("loss") / len(totals), "train/grad_norm": sums.pop("grad_norm") / len(totals),
+               "train/lr": sums.pop("lr")}
+        return {**out, **{TOKEN_MEANS.get(k, f"train/{k}"): v / tokens for k, v in sums.items()}}
 
     def validate(self) -> dict:
         """Answers to held-out prompts from the current policy weights (once the launched

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 
 from omegaconf import MISSING
 
-from rlkit.algorithms.registry import AlgorithmConfig, AlgorithmSpec, Lazy
+from rlkit.algorithms.registry import POLICY_LOSSES, AlgorithmConfig, AlgorithmSpec, Lazy, own_policy_loss
 from rlkit.algorithms.warm_start import validate_warm_start
 from rlkit.config.choices import IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
 from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig
@@ -19,10 +19,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class PolicyGradientConfig(AlgorithmConfig):
-    """What every RL algorithm shares: rollouts, advantages, the clipped policy loss."""
+    """What every RL algorithm shares: rollouts, advantages, the policy loss (clipped by default)."""
 
     prompts_per_step: int = MISSING
     group_size: int = MISSING
+    policy_loss: str = MISSING
     clip_low: float = MISSING
     clip_high: float = MISSING
     dual_clip_c: Optional[float] = MISSING
@@ -59,6 +60,8 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
                                 ("algorithm.off_policy_correction", a.off_policy_correction, OFF_POLICY_CORRECTIONS)]:
         if value not in choices:
             raise ConfigError(f"{key}: must be one of {list(choices)} (got: {value!r}); pick one of those")
+    if a.policy_loss not in POLICY_LOSSES:
+        own_policy_loss(a.policy_loss)
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:
         raise ConfigError(f"algorithm.dual_clip_c: must be > 1, a bound above the clipped ratios (Ye et al. 2019) "
                           f"(got: {a.dual_clip_c}); e.g. 3.0, or null to turn dual-clip off")

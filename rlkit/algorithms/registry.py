@@ -12,15 +12,20 @@ Loading a config imports the module (its config keys and checks), so the built-i
 Ray and Megatron out of it: they name their trainer, data loading and estimators with Lazy, or
 import those inside the functions that run them. rlkit's help texts and config errors then
 answer in well under a second (benchmarks/cli_latency.py, tests/unit/test_cli_startup.py).
+
+The RL family's policy loss is chosen the same way: algorithm.policy_loss names a built-in
+(POLICY_LOSSES) or a function of one's own as "module:attribute" (own_policy_loss).
 """
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from omegaconf import MISSING
 
 from rlkit.config.schema import ConfigError, RootConfig
+from rlkit.envs.base import start_directory_importable
 
 BUILTIN = ("grpo", "rloo", "reinforce_pp", "ppo", "sft", "dpo")
 
@@ -47,9 +52,12 @@ class Lazy:
 
     target: str
 
-    def __call__(self, *args, **kwargs):
+    def resolve(self):
         module, _, attribute = self.target.partition(":")
-        return getattr(importlib.import_module(module), attribute)(*args, **kwargs)
+        return getattr(importlib.import_module(module), attribute)
+
+    def __call__(self, *args, **kwargs):
+        return self.resolve()(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -72,14 +80,29 @@ class AlgorithmSpec:
     kl_in_loss: Callable[[Any], bool] | None = None
 
 
+class NoSuchModule(Exception):
+    """A module that a config value names does not exist."""
+
+
+def import_named(module_name: str):
+    """The module a config value names, found as rlkit finds environments' modules (installed, or
+    in the directory rlkit was started from). NoSuchModule where it does not exist; where it exists
+    but something it imports is missing, that ImportError: the user's to see, not "no module"."""
+    start_directory_importable()
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        if e.name is not None and not module_name.startswith(e.name):
+            raise
+        raise NoSuchModule(str(e)) from None
+
+
 def load_algorithm(name: str) -> AlgorithmSpec:
     """The spec of algorithm.name: rlkit.algorithms.<name> for built-ins, else the module `name`."""
     module_name = f"rlkit.algorithms.{name}" if name in BUILTIN else name
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        if e.name is not None and not module_name.startswith(e.name):
-            raise  # the module exists but something it imports is missing: that error, not this one
+        module = import_named(module_name)
+    except NoSuchModule as e:
         raise ConfigError(f"algorithm.name: must be one of {list(BUILTIN)} or an importable module that defines "
                           f"ALGORITHM (got: {name!r}); select the config group with algorithm=<name> ({e})") from None
     spec = getattr(module, "ALGORITHM", None)
@@ -87,3 +110,41 @@ def load_algorithm(name: str) -> AlgorithmSpec:
         raise ConfigError(f"algorithm.name: module {module_name!r} defines no ALGORITHM = AlgorithmSpec(...); "
                           f"add one (see rlkit/algorithms/grpo.py)")
     return spec
+
+
+# algorithm.policy_loss's built-ins, by short name; any other value names a function of one's own as
+# "module:attribute" that takes POLICY_LOSS_ARGUMENTS (clipped_policy_loss's parameters)
+POLICY_LOSSES = {"clipped": Lazy("rlkit.algorithms.losses:clipped_policy_loss")}
+# what a policy loss is called with: these by position, then the optional tensors (None where the
+# algorithm's config does not use them) by keyword (rlkit/algorithms/objectives.py PolicyGradient)
+POLICY_LOSS_ARGUMENTS = ("logprobs", "old_logprobs", "advantages", "mask", "cfg", "totals")
+POLICY_LOSS_OPTIONAL = ("reference_logprobs", "off_policy_weights", "entropy")
+
+
+def load_policy_loss(name: str) -> Callable:
+    """The function algorithm.policy_loss names, where the loss runs (a built-in's module imports torch)."""
+    return POLICY_LOSSES[name].resolve() if name in POLICY_LOSSES else own_policy_loss(name)
+
+
+def own_policy_loss(name: str) -> Callable:
+    """A function of one's own that algorithm.policy_loss names as "module:attribute", imported from
+    where algorithm modules are; a config error line where the name does not import, or where the
+    function cannot take a policy loss's arguments. The config's checks call it: before any worker."""
+    wrong = (f"algorithm.policy_loss: must be one of {list(POLICY_LOSSES)} or a function of your own as "
+             f"'module:attribute' (got: {name!r}); pick one of those (docs/algorithms.md: A loss of your own)")
+    module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(wrong)
+    try:
+        loss = getattr(import_named(module_name), attribute, None)
+    except NoSuchModule as e:
+        raise ConfigError(f"{wrong}; {e}") from None
+    if not callable(loss):
+        raise ConfigError(f"{wrong}; module {module_name!r} defines no function {attribute!r}")
+    try:
+        inspect.signature(loss).bind(*POLICY_LOSS_ARGUMENTS, **dict.fromkeys(POLICY_LOSS_OPTIONAL))
+    except TypeError as e:
+        parameters = ", ".join([*POLICY_LOSS_ARGUMENTS, *(f"{p}=None" for p in POLICY_LOSS_OPTIONAL)])
+        raise ConfigError(f"algorithm.policy_loss: cannot be called as a policy loss: {e} (got: {name!r}); give it "
+                          f"the parameters ({parameters})") from None
+    return loss

@@ -22,11 +22,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-def import_target(target: str):
-    """'package.module.Name' -> the object. Modules in the directory rlkit was started from
-    import too, so a user's my_env.py next to their recipe just works."""
+def start_directory_importable() -> None:
+    """Modules in the directory rlkit was started from import too, so a user's my_env.py next to
+    their recipe just works (Ray's workers have that directory on their path as well)."""
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
+
+
+def import_target(target: str):
+    """'package.module.Name' -> the object, from the directory rlkit was started from too."""
+    start_directory_importable()
     module, _, name = target.rpartition(".")
     if not module:
         raise ImportError(f"{target!r} is not a dotted path like my_module.MyEnv")
