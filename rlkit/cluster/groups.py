@@ -17,7 +17,7 @@ from rlkit.data.generation import Generations, SamplingParams
 from rlkit.data.micro_batches import LENGTH_MASKS
 from rlkit.workers.generation.base import GenerationWorker as Engine
 from rlkit.workers.generation.hf import HFGenerationWorker
-from rlkit.workers.policy.megatron import MegatronModelWorker as Model
+from rlkit.workers.policy.base import TrainingBackend as Model
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class ModelWorkers:
     def hold(self, data: Batch | list) -> list:
         """Split `data` per DP rank (or take the per-shard object refs another group holds) and
         keep each shard on its ranks. Returns the shards' object refs."""
-        shards = [ray.put(s) for s in self._split(data)] if isinstance(data, Batch) else data
+        shards = self.workers.share(self._split(data)) if isinstance(data, Batch) else data
         self._per_shard(Model.hold, shards)
         return shards
 

@@ -41,7 +41,7 @@ from rlkit.refit.transports.nccl import BroadcastGroup, broadcast_groups
 from rlkit.workers.generation.base import GenerationWorker
 from rlkit.workers.generation.hf import HFGenerationWorker
 from rlkit.workers.generation.vllm import VLLMGenerationWorker
-from rlkit.workers.policy.megatron import MegatronModelWorker as Policy
+from rlkit.workers.policy.base import TrainingBackend as Policy
 
 log = logging.getLogger("rlkit")
 

@@ -16,7 +16,8 @@ from rlkit.cluster.worker_group import WorkerGroup, bundle_gpu_ids, free_address
 from rlkit.config.schema import RootConfig
 from rlkit.observability.startup import StartupClock
 from rlkit.workers.generation.base import GenerationWorker as Engine
-from rlkit.workers.policy.megatron import MegatronModelWorker as Model, optional_kernels_missing
+from rlkit.workers.policy.base import TrainingBackend
+from rlkit.workers.policy.megatron import MegatronModelWorker, optional_kernels_missing
 
 log = logging.getLogger("rlkit")
 
@@ -151,7 +152,7 @@ def _start_groups(cfg, model_dir, pg, placement, device, started, with_generatio
         policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, "lm", pool)
     with clock.phase("policy_workers"):
         _set_up(policy, pg, placement)
-    clock.add_workers("policy_workers", created, policy.every_rank(Model.startup_phases))
+    clock.add_workers("policy_workers", created, policy.every_rank(TrainingBackend.startup_phases))
     _log_nodes(policy, generation.workers if generation else None)
     return RunWorkers(ModelWorkers(policy), generation, pg, started, placement, device, pool=pool)
 
@@ -184,8 +185,9 @@ def _megatron_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, p
     args = model_worker_args(cfg, model_cfg, model_dir, head)
     if pool is not None:
         # each bridge's processes keep their own imports
-        return pool.take(role, Model, model_cfg.bridge, args, len(placement.policy_bundles), cfg.cluster.call_timeout_s)
-    return WorkerGroup.start(role, Model, pg, placement.policy_bundles, placement.share, device, args,
+        return pool.take(role, MegatronModelWorker, model_cfg.bridge, args, len(placement.policy_bundles),
+                         cfg.cluster.call_timeout_s)
+    return WorkerGroup.start(role, MegatronModelWorker, pg, placement.policy_bundles, placement.share, device, args,
                              cfg.cluster.call_timeout_s)
 
 
@@ -203,4 +205,4 @@ def _set_up(group: WorkerGroup, pg, placement: Placement) -> None:
     the model and load its weights."""
     # pooled workers (no placement group) are on this process's node
     master_addr, master_port = free_address() if pg is None else rendezvous_address(pg, placement.policy_bundles[0])
-    group.every_rank(Model.setup, master_addr, master_port)
+    group.every_rank(TrainingBackend.setup, master_addr, master_port)

@@ -1,6 +1,6 @@
 """WorkerGroup: N Ray actors of one role placed on a placement group, with explicit dispatch.
 
-Methods are named by the worker class's own function (`group.every_rank(MegatronModelWorker.sleep)`),
+Methods are named by the worker interface's own function (`group.every_rank(TrainingBackend.sleep)`),
 never by a string, so an editor and a reader can follow a call to the code it runs."""
 
 import re
@@ -14,7 +14,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
-Method = Callable  # a function of the worker class, e.g. MegatronModelWorker.sleep
+Method = Callable  # a function of the worker's interface, e.g. TrainingBackend.sleep
 
 
 class WorkerError(RuntimeError):
@@ -157,6 +157,10 @@ class WorkerGroup:
     def only(self, ranks: list[int], method: Method, *args, **kwargs) -> list:
         """Call on `ranks` alone; their results, in that order."""
         return self.wait(self.submit(method, *args, ranks=ranks, **kwargs), method.__name__, ranks)
+
+    def share(self, values: list) -> list:
+        """Object refs to the values, each put into the object store once for any number of calls."""
+        return [ray.put(value) for value in values]
 
     def per_shard(self, method: Method, shards: list, shard_of_rank: list[int], output_ranks: list[int],
                   *args, **kwargs) -> list[Any]:

@@ -126,7 +126,7 @@ def reserved_and_staged(policy) -> list[tuple[int | None, int, int]]:
     """Per rank: the bytes reserved ahead for the first checkpoint's host copies (None: nothing
     reserved), the bytes of them handed out, and the bytes of every host copy staged."""
     def probe(worker):  # a nested function travels by value: the workers cannot import this module
-        save = worker.background_save
+        save = worker.checkpoints.background_save
         return (None if save.block is None else save.block.numel(), save.block_used,
                 sum(copy.numel() * copy.element_size() for copy in save.staging.values()))
 

@@ -22,7 +22,7 @@ class GenerationWorker(ABC):
     @abstractmethod
     def load_adapters(self, adapters: dict) -> None:
         """refit.peft=adapter: the policy's LoRA adapters ({HF PEFT name: tensor}, as
-        MegatronModelWorker.export_refit_adapters gives them) replace this worker's, every one
+        TrainingBackend.export_refit_adapters gives them) replace this worker's, every one
         of them consumed and none missing."""
 
     @abstractmethod

@@ -11,11 +11,7 @@ is held here (hold): logprobs, values and token-level advantages are computed in
 shard where it lives, and training reads it, so token tensors cross the controller once.
 """
 
-import functools
-import gc
 import os
-import sys
-import time
 import warnings
 from datetime import timedelta
 from typing import Callable, Iterator
@@ -23,31 +19,26 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from rlkit.bridge.adapters import write_hf_peft_adapter
-from rlkit.bridge.common import unwrap
 from rlkit.checkpoint import WrittenFiles
-from rlkit.bridge.context_parallel import gather_sequence, padded_length, positions_on_rank, share_of_rank
-from rlkit.config.schema import ConfigError, PolicyConfig
+from rlkit.config.schema import PolicyConfig
 from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.micro_batches import LENGTH_MASKS, micro_batches, restore_rows
-from rlkit.data.packing import packed_attention_mask
 from rlkit.observability.logprob_agreement import agreement_sums, reference_kl_sums
 from rlkit.observability.profiling import profiled
 from rlkit.observability.startup import PhaseTimes, without_wandb
 from rlkit.refit.delta import EncodedBucket
 from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.refit.sender import RefitSender, sending_half
-from rlkit.workers.policy import dist_checkpoint
-from rlkit.workers.policy.adapter_base import record_base, weights_digest
-from rlkit.workers.policy.offload import HostOffload, pinned_bandwidth
+from rlkit.workers.policy.base import TrainingBackend
+from rlkit.workers.policy.checkpoint_io import CheckpointIO
+from rlkit.workers.policy.hand_over import MemoryHandOver
+from rlkit.workers.policy.pool_lifecycle import collect, release_process
+from rlkit.workers.policy.optimizer import build_optimizer
 from rlkit.workers.policy.schedule import min_micro_batches, run_schedule, summed_on_host
-from rlkit.workers.policy.token_head import token_logprobs_and_entropy
+from rlkit.workers.policy.token_io import TokenIO
 from rlkit.workers.rendezvous import init_process_group
 
 ON_GPU = torch.cuda.is_available()
-# The distributed optimizer's state in a canonical per-parameter layout, so a checkpoint loads at
-# any TP/PP/DP (megatron-core's default layout for it is deprecated and refuses to save).
-OPTIMIZER_CHECKPOINT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 # Expected, and otherwise repeated by every worker process: megatron-core's PyTorch fallbacks when
 # Apex / TransformerEngine are absent (the driver says so once: optional_kernels_missing), the
@@ -70,7 +61,7 @@ def optional_kernels_missing() -> list[str]:
             if importlib.util.find_spec(module) is None]
 
 
-class MegatronModelWorker:
+class MegatronModelWorker(TrainingBackend):
     def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, seed: int, threads: int,
                  collective_timeout_s: float, head: str = "lm", stage_checkpoints: bool = False):
         """Imports only, no device memory: a run starts these processes while its generation engines
@@ -116,11 +107,11 @@ class MegatronModelWorker:
                                       context_parallel_size=cfg.context_parallel_size,
                                       expert_model_parallel_size=cfg.expert_parallel_size)
         self.mpu = mpu
+        self.io = TokenIO(mpu, head)
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         self.bf16 = cfg.precision == "bf16"
         self.base_dir = model_dir  # the HF checkpoint under policy.peft's adapters (init_reference may replace it)
-        self._base_digest = None  # its weights_digest, taken at the first adapter checkpoint
         self.name = "policy" if head == "lm" else "critic"  # its folder in a checkpoint
         with self.startup.phase("build"):
             # policy.peft adapts the policy; PPO's critic trains all of its weights
@@ -136,50 +127,20 @@ class MegatronModelWorker:
                 self.bridge.load_hf_weights(self.model)
                 if cfg.peft is not None and cfg.peft.init_from is not None:
                     self.bridge.load_adapter_checkpoint(self.model, os.path.join(cfg.peft.init_from, self.name))
-        self.offload = HostOffload(pin=ON_GPU)  # what sleep() moved off the GPU, in reused pinned buffers
-        self.background_save = dist_checkpoint.BackgroundSave()  # the checkpoint being written, if any
-        self.pinned_bandwidth = None  # GB/s each way, measured at the first sleep()
+        self.hand_over = MemoryHandOver(cfg.offload, ON_GPU)
+        self.checkpoints = CheckpointIO(self.name, rank, self.bridge, self.model, writes_full_state=(
+            mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+            and not cfg.use_distributed_optimizer and not self.bridge.has_adapters))
         self.refit_sender = RefitSender(self)  # this rank's half of refit (policy only)
         self.held: Batch | None = None  # this rank's shard of the step's rollout
-        # built at the first train() call: inference-only uses (verify-refit, benchmarks) never
-        # pay for fp32 main weights and Adam state
-        self.optimizer = None
+        self.optimizer = None  # built at the first use (_optimizer_ready)
         self.lr = cfg.optimizer.lr
         self.reference = None
         self.reference_is_base = False  # the reference is self.model with its adapters off (init_reference)
-        self.temperature = 1.0
 
     # ---- setup -------------------------------------------------------------------------
     def startup_phases(self) -> dict:
         return self.startup.report()
-
-    def _build_optimizer(self, lr: float):
-        from megatron.core.distributed import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        config = self.bridge.transformer_config
-        if config.num_moe_experts and config.tensor_model_parallel_size > 1:
-            # megatron-core's MoE layer refuses TP without sequence parallelism in training mode; with its
-            # check bypassed, the gradients were wrong (measured)
-            raise ConfigError(f"policy.tensor_parallel_size: an MoE model trains at TP > 1 only with sequence "
-                              f"parallelism, which rlkit does not enable (got: {config.tensor_model_parallel_size}); "
-                              f"train it at TP=1 and spread its experts with policy.expert_parallel_size")
-        o = self.cfg.optimizer
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=self.bf16,
-            params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
-            use_distributed_optimizer=self.cfg.use_distributed_optimizer), self.model)
-        config.finalize_model_grads_func = finalize_model_grads
-        return optimizer
-
-    def _writes_full_state(self) -> bool:
-        """Whether this rank's distributed checkpoint holds its parameters and their optimizer state
-        as they are here: megatron-core writes a replicated tensor from its first holder alone
-        (data-parallel rank 0); a distributed optimizer's state is gathered to that rank at the
-        save instead (a reservation could not be sized from its shard); an adapter's is small."""
-        return (self.mpu.get_data_parallel_rank(with_context_parallel=True) == 0
-                and not self.cfg.use_distributed_optimizer and not self.bridge.has_adapters)
 
     def layout(self) -> dict:
         m = self.mpu
@@ -208,7 +169,7 @@ class MegatronModelWorker:
 
     def set_temperature(self, temperature: float):
         """Logprobs are computed on logits / temperature, exactly as the sampler saw them."""
-        self.temperature = temperature
+        self.io.temperature = temperature
 
     def set_learning_rate(self, lr: float):
         self.lr = lr
@@ -226,7 +187,7 @@ class MegatronModelWorker:
             if os.path.realpath(hf_dir) != os.path.realpath(self.base_dir):
                 self.bridge.load_hf_weights(self.model, hf_dir)
                 self.bridge.restart_adapters(self.model)
-                self.base_dir, self._base_digest = hf_dir, None
+                self.base_dir = hf_dir
             self.reference_is_base = True
             return
         self.reference = self.bridge.build(bf16=self.bf16, wrap_with_ddp=False, fp32_lm_head=self.cfg.fp32_lm_head)
@@ -235,106 +196,18 @@ class MegatronModelWorker:
             chunk.requires_grad_(False)
 
     # ---- GPU memory while a colocated vLLM generates ----------------------------------------
-    def _resident_storages(self) -> dict[str, list]:
-        """This rank's GPU storages by kind: weights (the reference's too), optimizer (fp32 main
-        weights and Adam state) and gradients (buffers that may be dropped)."""
-        kinds, seen = {"weights": [], "optimizer": [], "gradients": []}, set()
-
-        def add(tensor, kind):
-            storage = tensor.untyped_storage()
-            if tensor.is_cuda and storage.data_ptr() not in seen and storage.nbytes() > 0:
-                seen.add(storage.data_ptr())
-                kinds[kind].append(storage)
-
-        for chunk in self.model + (self.reference or []):
-            for param in chunk.parameters():
-                add(param.data, "weights")
-        for chunk in self.model:
-            for buffer in getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", []):
-                add(buffer.grad_data, "gradients")
-        if self.optimizer is not None:
-            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-                for group in opt.optimizer.param_groups:
-                    for param in group["params"]:
-                        add(param.data, "optimizer")
-                for state in opt.optimizer.state.values():
-                    for value in state.values():
-                        if torch.is_tensor(value):
-                            add(value, "optimizer")
-        return kinds
-
     @profiled
     def sleep(self) -> dict:
-        """Free this rank's GPU memory for a colocated vLLM (policy.offload: all = weights and
-        optimizer state to host memory, optimizer = optimizer state only; both drop the gradient
-        buffers; none = nothing). Returns bytes and seconds, and the pinned bandwidth (measured at
-        the first call) they compare with; {} on CPU, with offload none, or while asleep."""
-        if not ON_GPU or self.cfg.offload == "none" or self.offload.is_asleep:
-            return {}
-        kinds = self._resident_storages()
-        keep = kinds["optimizer"] + (kinds["weights"] if self.cfg.offload == "all" else [])
-        if self.pinned_bandwidth is None:
-            self.pinned_bandwidth = pinned_bandwidth()
-        freed = sum(s.nbytes() for s in keep + kinds["gradients"])
-        copied, seconds = self.offload.sleep(keep, kinds["gradients"])
-        return {"freed_bytes": freed, "copied_bytes": copied, "seconds": seconds, "pinned": self.pinned_bandwidth}
+        """Free this rank's GPU memory for a colocated vLLM (policy.offload, hand_over.py): bytes
+        and seconds; {} on CPU, with offload none, or while asleep."""
+        return self.hand_over.sleep(self.model + (self.reference or []), self.model, self.optimizer)
 
     @profiled
     def wake(self) -> dict:
-        """Undo sleep(); every call that touches the model calls it first. Returns bytes and seconds
-        ({} if awake already)."""
-        if not self.offload.is_asleep:
-            return {}
-        copied, seconds = self.offload.wake()
-        return {"copied_bytes": copied, "seconds": seconds}
+        """Undo sleep(); every call that touches the model calls it first."""
+        return self.hand_over.wake()
 
     # ---- forward / backward ------------------------------------------------------------
-    def _share(self, x: torch.Tensor) -> torch.Tensor:
-        """This CP rank's share of a [b, S, ...] tensor's positions (the whole of it at CP=1)."""
-        return share_of_rank(x, self.mpu.get_context_parallel_world_size(), self.mpu.get_context_parallel_rank())
-
-    def _token_aligned(self, per_position: torch.Tensor, width: int) -> torch.Tensor:
-        """[b, width] from this CP rank's share of per-position outputs (position t: about token
-        t + 1): the whole rows gathered over CP (their padding dropped), shifted one right so that
-        position t holds the output for token t; position 0 has none and holds 0. Every CP rank
-        computes the same loss from the result, so each keeps its own share of its gradient."""
-        whole = gather_sequence(per_position, self.mpu.get_context_parallel_group(), sum_grads=False, dim=1)
-        return torch.nn.functional.pad(whole[:, :width - 1], (1, 0))
-
-    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._token_logprobs_and_entropy(logits, input_ids, entropy=False)[0]
-
-    def _token_logprobs_and_entropy(self, logits: torch.Tensor, input_ids: torch.Tensor, entropy: bool,
-                                    entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token-aligned logprobs [b, S]: position t holds log p(input_ids[t] | input_ids[:t]);
-        position 0 has no prediction and holds 0. With entropy, that distribution's entropy [b, S]
-        aligned likewise (None without), with its gradient when entropy_grad (an entropy bonus in
-        the loss). logits are vocab-parallel [b, S / CP, V/TP] of this CP rank's positions, read at
-        the sampling temperature."""
-        next_ids = self._share(torch.nn.functional.pad(input_ids[:, 1:], (0, 1)))  # the last predicts nothing read
-        logprobs, token_entropy = token_logprobs_and_entropy(
-            logits, next_ids, self.temperature, self.mpu.get_tensor_model_parallel_group(),
-            entropy=entropy, entropy_grad=entropy_grad)
-        width = input_ids.shape[1]
-        return (self._token_aligned(logprobs, width),
-                None if token_entropy is None else self._token_aligned(token_entropy, width))
-
-    def _model_inputs(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Tokens, positions and attention mask of this CP rank's share of a micro-batch's rows, each
-        row padded to a multiple of 2 x CP (nothing read depends on the padding: causal attention,
-        and a packed row's padding is segment 0). The mask is None for right-padded rows (the
-        default causal mask is exact), else the rows of this rank's queries."""
-        tokens = mb["input_ids"]
-        if "segment_ids" not in mb:
-            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-            return self._share(tokens), self._share(positions), None
-        # packed rows: attention stays inside each sequence
-        cp_size, cp_rank = self.mpu.get_context_parallel_world_size(), self.mpu.get_context_parallel_rank()
-        length = padded_length(tokens.shape[1], cp_size)
-        segment_ids = torch.nn.functional.pad(mb["segment_ids"], (0, length - tokens.shape[1]))
-        attention_mask = packed_attention_mask(segment_ids, positions_on_rank(length, cp_size, cp_rank))
-        return self._share(tokens), self._share(mb["position_ids"]), attention_mask
-
     def _run(self, batch: Batch, chunks: list, loss_fn: Callable, forward_only: bool) -> tuple[list[dict], list[int]]:
         """Run the Megatron schedule over micro-batches of this rank's shard (rlkit/data/
         micro_batches.py: each cut to its longest row); loss_fn maps (logits, micro_batch) ->
@@ -355,21 +228,14 @@ class MegatronModelWorker:
 
         def forward_step(data_iterator: Iterator[Batch], model):
             mb = Batch({k: v.to(device, non_blocking=True) for k, v in next(data_iterator).tensors.items()})
-            output = model(*self._model_inputs(mb))
+            output = model(*self.io.model_inputs(mb))
             return output, lambda out: scaled(loss_fn(out, micro_batch=mb))
 
         return run_schedule(chunks, parts, forward_step, pipeline_size, forward_only), row_order
 
-    def _head_output(self, output: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token-aligned [b, S]: logprobs for the policy; for the critic, position t holds the
-        value of the state before token t (the prefix input_ids[:t]), aligned like the logprobs."""
-        if self.head == "lm":
-            return self._token_logprobs(output, input_ids)
-        return self._token_aligned(output[..., 0].float(), input_ids.shape[1])
-
     def _forward_with(self, batch: Batch, chunks: list) -> torch.Tensor | None:
         def loss_fn(output, micro_batch):
-            out = self._head_output(output, micro_batch["input_ids"])
+            out = self.io.head_output(output, micro_batch["input_ids"])
             return torch.zeros((), device=out.device), {"output": out.detach()}
 
         self.wake()
@@ -406,10 +272,10 @@ class MegatronModelWorker:
         def loss_fn(output, micro_batch):
             entropy = None  # the policy's, a metric
             if self.head == "lm":
-                head_output, entropy = self._token_logprobs_and_entropy(output, micro_batch["input_ids"], entropy=True,
+                head_output, entropy = self.io.logprobs_and_entropy(output, micro_batch["input_ids"], entropy=True,
                                                                         entropy_grad=objective.uses_entropy)
             else:
-                head_output = self._head_output(output, micro_batch["input_ids"])
+                head_output = self.io.head_output(output, micro_batch["input_ids"])
             if objective.uses_entropy:  # the objective reads it, with its gradient
                 micro_batch = micro_batch.with_fields(entropy=entropy)
             value, sums = objective(head_output, micro_batch, totals)
@@ -419,22 +285,18 @@ class MegatronModelWorker:
             sums["loss"] = value.detach()
             return value, sums
 
-        self.wake()
-        if self.optimizer is None:
-            self.optimizer = self._build_optimizer(self.lr)
+        optimizer = self._optimizer_ready()
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        optimizer.zero_grad()
         outputs, _ = self._run(batch, self.model, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm, _ = optimizer.step()
         if not ok:
             raise RuntimeError(f"{self.name} optimizer step failed on rank {self.rank} (non-finite gradients); lower "
                                f"its learning rate or optimizer.clip_grad, or look for inf/nan in the batch")
-        if self.stage_checkpoints and not self.background_save.reserved and self._writes_full_state():
-            # the optimizer's state exists now: reserve (pin, on a GPU) the host memory the first
-            # checkpoint stages into while training goes on
-            self.background_save.reserve(dist_checkpoint.state_bytes(self.model, self.optimizer))
+        if self.stage_checkpoints:  # the optimizer's state exists now
+            self.checkpoints.reserve_staging(optimizer)
         if not outputs:
             return None
         return {**summed_on_host(outputs), "grad_norm": float(grad_norm)}
@@ -495,7 +357,7 @@ class MegatronModelWorker:
         """The objective's loss and sums on the held rows, without a step (validation); from
         output ranks, summed over micro-batches (each is its exact share of the whole)."""
         def loss_fn(output, micro_batch):
-            value, sums = objective(self._head_output(output, micro_batch["input_ids"]), micro_batch, totals)
+            value, sums = objective(self.io.head_output(output, micro_batch["input_ids"]), micro_batch, totals)
             return value, {"loss": value.detach(), **{k: v.detach() for k, v in sums.items()}}
 
         self.wake()
@@ -565,132 +427,46 @@ class MegatronModelWorker:
                     for name, tensor in self.bridge.export_adapter_weights(self.model)}
         return adapters if self.rank == 0 else None
 
-    # ---- checkpoints ---------------------------------------------------------------------
-    def _model_state(self) -> dict:
-        """The model's sharded state for a distributed checkpoint: its one chunk's, or with virtual
-        pipeline stages {"model<i>": chunk i's}, as Megatron lays out several chunks."""
-        states = [self.bridge.checkpointed_state(unwrap(chunk)) for chunk in self.model]
-        return states[0] if len(states) == 1 else {f"model{i}": state for i, state in enumerate(states)}
-
-    def _load_model_state(self, loaded: dict):
-        chunks = [unwrap(chunk) for chunk in self.model]
-        for i, chunk in enumerate(chunks):
-            self.bridge.load_model_state(chunk, loaded if len(chunks) == 1 else loaded[f"model{i}"])
-
+    # ---- checkpoints and exports (checkpoint_io.py) ------------------------------------------
     def _optimizer_ready(self):
+        """Awake, with its optimizer: built at the first use, so inference-only uses (verify-refit,
+        benchmarks) never pay for fp32 main weights and Adam state."""
         self.wake()
         if self.optimizer is None:
-            self.optimizer = self._build_optimizer(self.lr)
+            self.optimizer = build_optimizer(self.cfg, self.bridge.transformer_config, self.model, self.lr)
         return self.optimizer
 
     def save_checkpoint(self, ckpt_dir: str, save_format: str) -> dict[str, float]:
-        """Weights, optimizer state and this rank's RNG into ckpt_dir. Collective. Returns the
-        seconds training was held ("held"), and in which parts.
-        dist: Megatron distributed checkpoint (reshardable to another TP/PP), written in the
-        background (dist_checkpoint.py) until finish_checkpoint; with adapters (policy.peft) the
-        adapters and their optimizer state alone, and a record of the base (adapter_base.py);
-        hf: weights through the bridge (loadable by transformers) + per-rank optimizer state,
-        written before this returns."""
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        held = time.perf_counter()
-        own_dir = os.path.join(ckpt_dir, self.name)
-        optimizer = self._optimizer_ready()
-        if self.rank == 0:
-            os.makedirs(os.path.join(ckpt_dir, "rng"), exist_ok=True)
-            os.makedirs(own_dir, exist_ok=True)
-        dist.barrier()
-        torch.save({"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
-                    "lr": self.lr}, os.path.join(ckpt_dir, "rng", f"{self.name}_rank_{self.rank}.pt"))
-        parts = {}
-        if save_format == "dist":
-            model_state = self._model_state()
-            record = None
-            if self.bridge.has_adapters and self.rank == 0:
-                self._base_digest = self._base_digest or weights_digest(self.base_dir)
-                record = functools.partial(record_base, own_dir, self.base_dir, self._base_digest)
-            state = {"model": model_state, "optimizer": optimizer.sharded_state_dict(
-                model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}
-            parts["state_dict"] = time.perf_counter() - held
-            parts.update(self.background_save.start(state, own_dir, on_finished=record))
-        else:
-            self.bridge.save_hf_weights(self.model, os.path.join(own_dir, "hf"))
-            torch.save(optimizer.state_dict(), os.path.join(own_dir, f"optimizer_rank{self.rank}.pt"))
-            dist.barrier()
-        return {"held": time.perf_counter() - held, **parts}
+        return self.checkpoints.save(ckpt_dir, save_format, self._optimizer_ready(), self.lr, self.base_dir)
 
     def finish_checkpoint(self, wait: bool) -> WrittenFiles | None:
-        """None while the last save_checkpoint is being written on some rank; once it is whole
-        (finalized here; wait: block until then), what this rank's writer made. Collective."""
-        return self.background_save.finish(wait)
+        return self.checkpoints.finish(wait)
 
     def load_checkpoint(self, ckpt_dir: str, save_format: str):
-        """Inverse of save_checkpoint. A dist checkpoint loads into any TP/PP layout."""
-        from megatron.core import dist_checkpointing
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        own_dir = os.path.join(ckpt_dir, self.name)
-        optimizer = self._optimizer_ready()
-        if save_format == "dist":
-            _fill_empty_optimizer_states(optimizer)
-            model_state = self._model_state()
-            loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer.sharded_state_dict(
-                model_state, is_loading=True, metadata=OPTIMIZER_CHECKPOINT_FORMAT)}, own_dir)
-            self._load_model_state(loaded["model"])
-            _load_optimizer_state(optimizer, loaded["optimizer"])
-        else:
-            self.bridge.load_hf_weights(self.model, os.path.join(own_dir, "hf"))
-            optimizer.load_state_dict(torch.load(os.path.join(own_dir, f"optimizer_rank{self.rank}.pt"),
-                                                 weights_only=False))
-        rng_file = os.path.join(ckpt_dir, "rng", f"{self.name}_rank_{self.rank}.pt")
-        if os.path.exists(rng_file):  # absent when resuming onto more ranks than were saved
-            rng = torch.load(rng_file, weights_only=False)
-            torch.set_rng_state(rng["torch"])
-            get_cuda_rng_tracker().set_states(rng["tracker"])
-            self.set_learning_rate(rng["lr"])
-        dist.barrier()
+        lr = self.checkpoints.load(ckpt_dir, save_format, self._optimizer_ready())
+        if lr is not None:
+            self.set_learning_rate(lr)
 
     def export_hf_weights(self) -> dict[str, torch.Tensor] | None:
-        """All HF-named weights on rank 0 (tests and verification). Collective."""
         self.wake()
-        weights = {n: t.detach().cpu().clone() for n, t in self.bridge.export_hf_weights(self.model)}
-        return weights if self.rank == 0 else None
+        return self.checkpoints.export_hf_weights()
 
     def save_hf(self, out_dir: str):
-        """Write an HF checkpoint (weights through the bridge, plus config and tokenizer). Collective."""
         self.wake()
-        self.bridge.save_hf_weights(self.model, out_dir)
-        if self.rank == 0:
-            from transformers import AutoTokenizer
-            self.bridge.hf_config.save_pretrained(out_dir)
-            AutoTokenizer.from_pretrained(self.bridge.hf_dir).save_pretrained(out_dir)
-        dist.barrier()
+        self.checkpoints.save_hf(out_dir)
 
     def save_peft_adapter(self, out_dir: str):
-        """policy.peft's adapters as an HF PEFT directory over this policy's base. Collective."""
         self.wake()
-        adapters = dict(self.bridge.export_adapter_weights(self.model))
-        if self.rank == 0:
-            write_hf_peft_adapter(out_dir, adapters, self.cfg.peft, self.base_dir)
-        dist.barrier()
+        self.checkpoints.save_peft_adapter(out_dir, self.cfg.peft, self.base_dir)
 
+    # ---- a warm pool's idle process (pool_lifecycle.py) --------------------------------------
     def release(self):
-        """Leave the process group and drop the model: a WarmPool's idle worker (rlkit/cluster/
-        warm_pool.py) holds no process group, whose gloo threads would keep waking, and no model
-        memory. Only reset() may follow."""
         if not self.__dict__:  # released already (given back, now taken again): no second full collection
             return
-        _drop_kept_graphs(getattr(self, "model", None) or [])
-        if dist.is_initialized():
-            assert not self.background_save.pending, "a checkpoint is still being written (finish_checkpoint)"
-            self.mpu.destroy_model_parallel()
-            _drop_megatron_group_holders(self.mpu)
-            dist.destroy_process_group()
+        release_process(getattr(self, "model", None) or [], getattr(self, "mpu", None),
+                        "checkpoints" in self.__dict__ and self.checkpoints.background_save.pending)
         self.__dict__.clear()
-        # the model and optimizer reach their process groups through reference cycles: until a full
-        # collection frees them, each group's gloo threads stay (about 50 threads per run), and they
-        # cost an idle worker a tenth of a core after a few runs
-        gc.collect()
+        collect()
 
     def reset(self, args: dict):
         """release(), then take new constructor arguments (another model, layout or rank) for the
@@ -703,65 +479,3 @@ class MegatronModelWorker:
             dist.destroy_process_group()
         os._exit(0)
 
-
-def _drop_kept_graphs(chunks: list[torch.nn.Module]) -> None:
-    """Drop the tensors with an autograd graph that modules (or their helpers) keep after a step:
-    megatron-core's MoE token dispatcher keeps its last routing probs. Such a graph reaches the
-    gradient hooks of the DDP wrapper, and so the whole model: a cycle through autograd's C++ nodes
-    that no garbage collection frees, so a pooled worker would keep every MoE model it trained."""
-    for chunk in chunks:
-        for module in chunk.modules():
-            helpers = [v for v in vars(module).values()
-                       if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type))]
-            for holder in (module, *helpers):
-                for name, value in list(vars(holder).items()):
-                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                        setattr(holder, name, None)
-
-
-def _drop_megatron_group_holders(mpu) -> None:
-    """What still holds a run's process groups after megatron-core 0.16's destroy_model_parallel,
-    each group keeping its gloo threads (and rank 0 its store's server thread) alive: two groups it
-    does not reset, and the rotary embeddings' forward, an lru_cache keyed by the module, whose
-    entries keep every run's rotary module (and its context-parallel group) until 32 are cached."""
-    mpu._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
-    mpu._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = None
-    for module, cls in [("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding"),
-                        ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding")]:
-        if module in sys.modules:  # imported only by the models that use it
-            getattr(sys.modules[module], cls).forward.cache_clear()
-
-
-def _fill_empty_optimizer_states(optimizer):
-    """Give a distributed optimizer that has not stepped yet its state tensors, as loading a dist
-    checkpoint into it needs: without Apex or TransformerEngine, megatron-core 0.16 reads every
-    parameter's Adam "step" (DistributedOptimizer.state_dict) before it would create them. The
-    values are placeholders that the load overwrites."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
-            inner._init_optimizer_states_with_dummy_values()
-
-
-def _load_optimizer_state(optimizer, state_dict: dict):
-    """optimizer.load_state_dict, around a megatron-core 0.16 gap without Apex or TransformerEngine:
-    its DistributedOptimizer gives every Adam state a "step", then copies the checkpoint's parameter
-    state (main weights, exp_avg, exp_avg_sq) by the state's keys, "step" included, which the
-    checkpoint keeps in the param groups instead (KeyError). So the parameter state is loaded apart,
-    with the steps set aside meanwhile. Each parameter gets a step tensor of its own: megatron-core
-    hands them all one, which torch's Adam would then advance once per parameter each step."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(chained) != 1 or not isinstance(chained[0], DistributedOptimizer) or "param_state" not in state_dict:
-        optimizer.load_state_dict(state_dict)
-        return
-    inner, state_dict = chained[0], dict(state_dict)
-    param_state, sharding = state_dict.pop("param_state"), state_dict.pop("param_state_sharding_type")
-    assert sharding == OPTIMIZER_CHECKPOINT_FORMAT["distrib_optim_sharding_type"], sharding
-    inner.load_state_dict(state_dict)
-    steps = {param: state.pop("step") for param, state in inner.optimizer.state.items() if "step" in state}
-    inner.load_parameter_state_from_fully_reshardable(param_state)
-    for param, step in steps.items():
-        inner.optimizer.state[param]["step"] = step.clone()
