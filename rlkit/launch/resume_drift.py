@@ -17,10 +17,12 @@ The configs are compared as written, interpolations unresolved: a path under ${r
 stays equal when only run.cache_dir moves.
 """
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -62,11 +64,25 @@ class Change:
         return f"{self.key}: {_shown(self.before)} -> {_shown(self.now)}"
 
 
-def changes(saved: DictConfig, now: DictConfig) -> list[Change]:
-    """Every key whose value differs, in now's order (then keys only saved has), with its kind."""
+def changes(saved: DictConfig, now: DictConfig, schema: RootConfig | None = None) -> list[Change]:
+    """Every key whose value differs, in now's order (then keys only saved has), with its kind. A
+    key of rlkit's own config (schema: the typed config) that saved lacks is none: rlkit added it
+    since, with a default that keeps what rlkit did before it."""
     hf = OmegaConf.select(saved, "checkpoint.save_format") == "hf"
+    added_since = functools.partial(_is_schema_key, schema) if schema is not None else lambda key: False
     return [Change(key, before, value, kind_of(key, hf)) for key, before, value in
-            _differences(OmegaConf.to_container(saved), OmegaConf.to_container(now), "")]
+            _differences(OmegaConf.to_container(saved), OmegaConf.to_container(now), "", added_since)]
+
+
+def _is_schema_key(schema, key: str) -> bool:
+    """Whether the dotted key is a field of rlkit's typed config (not a free key such as an
+    environment's keyword arguments)."""
+    node = schema
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            return False
+        node = getattr(node, part)
+    return True
 
 
 def kind_of(key: str, hf_checkpoint: bool = False) -> str:
@@ -82,7 +98,7 @@ def check_resume_drift(cfg: RootConfig, resolved: DictConfig, saved: DictConfig,
     at `step` with config `saved`: a ConfigError naming every changed key unless each may change
     (free, or checkpoint.resume_with_changes=true and none is never). Returns the changes it
     accepts, as "key: old -> new, ..." ("" for none), for the run to say what it goes on with."""
-    found = changes(saved, resolved)
+    found = changes(saved, resolved, cfg)
     never = [c for c in found if c.kind == NEVER]
     refused = [c for c in found if c.kind == NEVER or (c.kind == CHOICE and not cfg.checkpoint.resume_with_changes)]
     if refused:
@@ -106,13 +122,14 @@ def _refusal(cfg: RootConfig, checkpoint_dir: Path, step: int, refused: list[Cha
     return f"{problem}; {new_run}, or add checkpoint.resume_with_changes=true{more} to continue this run with them"
 
 
-def _differences(before: Any, now: Any, prefix: str):
+def _differences(before: Any, now: Any, prefix: str, added_since: Callable[[str], bool]):
     """(dotted key, before, now) of each difference; a section present on one side only, or
-    null on one, is one difference."""
+    null on one, is one difference; so is a key on one side only, unless added_since(key) says
+    rlkit added it since the checkpoint was saved."""
     if isinstance(before, dict) and isinstance(now, dict):
         for key in [*now, *(k for k in before if k not in now)]:
-            yield from _differences(before.get(key, _UNSET), now.get(key, _UNSET), f"{prefix}{key}.")
-    elif before != now:
+            yield from _differences(before.get(key, _UNSET), now.get(key, _UNSET), f"{prefix}{key}.", added_since)
+    elif before != now and not (before is _UNSET and added_since(prefix[:-1])):
         yield prefix[:-1], before, now
 
 

@@ -131,6 +131,14 @@ def test_a_section_on_one_side_only_is_one_change(dirs):
     assert str(found[1]).startswith("policy.peft: null -> {'type': 'lora', 'rank': 8")
 
 
+def test_a_key_added_to_rlkit_since_the_checkpoint_is_no_change(dirs):
+    saved = saved_config(dirs)
+    del saved.algorithm["policy_loss"], saved.checkpoint["resume_with_changes"]  # as an older rlkit wrote it
+    assert check(dirs, saved) == ""
+    cfg, resolved = load_config(RECIPE, [*dirs, "algorithm.kl_coef=0.5", "+env.correct_reward=2.0"])
+    assert [c.key for c in changes(saved, resolved, cfg)] == ["algorithm.kl_coef", "env.correct_reward"]
+
+
 def saved_run(dirs, *overrides):
     """A checkpoint at step 2, as the loop saves it (no model files: train() must stop before it
     would load any)."""
