@@ -17,7 +17,8 @@ from rlkit.config.schema import RootConfig
 from rlkit.observability.startup import StartupClock
 from rlkit.workers.generation.base import GenerationWorker as Engine
 from rlkit.workers.policy.base import TrainingBackend
-from rlkit.workers.policy.megatron import MegatronModelWorker, optional_kernels_missing
+from rlkit.workers.policy.expected_warnings import optional_kernels_missing
+from rlkit.workers.policy.megatron import MegatronModelWorker
 
 log = logging.getLogger("rlkit")
 

@@ -12,7 +12,6 @@ shard where it lives, and training reads it, so token tensors cross the controll
 """
 
 import os
-import warnings
 from datetime import timedelta
 from typing import Callable, Iterator
 
@@ -31,6 +30,7 @@ from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.refit.sender import RefitSender, sending_half
 from rlkit.workers.policy.base import TrainingBackend
 from rlkit.workers.policy.checkpoint_io import CheckpointIO
+from rlkit.workers.policy.expected_warnings import silence_expected_warnings
 from rlkit.workers.policy.hand_over import MemoryHandOver
 from rlkit.workers.policy.pool_lifecycle import collect, release_process
 from rlkit.workers.policy.optimizer import build_optimizer
@@ -40,25 +40,7 @@ from rlkit.workers.rendezvous import init_process_group
 
 ON_GPU = torch.cuda.is_available()
 
-# Expected, and otherwise repeated by every worker process: megatron-core's PyTorch fallbacks when
-# Apex / TransformerEngine are absent (the driver says so once: optional_kernels_missing), the
-# "full" cuda_graph_scope that mbridge's configs still name (graphs are off), and mbridge's note
-# that a checkpoint saved from a single-file model has no safetensors index (none is needed). And
-# PyTorch's deprecation of the ShardedTensor and dcp.load_state_dict that megatron-core 0.16's
-# torch_dist load strategy is built on (a resume, `rlkit convert`); the CPU path's TorchFunctionMode
-# (cpu_compat) is only where the first is reported from, as the frame that calls into ShardedTensor.
-for _expected in (r".*(Apex|Transformer Engine).* (is|are) not installed", r"full scope is deprecated",
-                  r"No index file found", r"Please use DTensor instead and we are deprecating ShardedTensor",
-                  r"`load_state_dict` is deprecated"):
-    warnings.filterwarnings("ignore", message=_expected)
-
-
-def optional_kernels_missing() -> list[str]:
-    """Which of Megatron's optional fused-kernel packages are not installed here."""
-    import importlib.util
-
-    return [name for name, module in [("Apex", "apex"), ("TransformerEngine", "transformer_engine")]
-            if importlib.util.find_spec(module) is None]
+silence_expected_warnings()
 
 
 class MegatronModelWorker(TrainingBackend):
@@ -144,18 +126,13 @@ class MegatronModelWorker(TrainingBackend):
 
     def layout(self) -> dict:
         m = self.mpu
-        return {"rank": self.rank, "tp": m.get_tensor_model_parallel_rank(),
-                "pp": m.get_pipeline_model_parallel_rank(), "cp": m.get_context_parallel_rank(),
-                "dp": m.get_data_parallel_rank(),
-                "is_output": self._is_output()}
+        return {"rank": self.rank, "tp": m.get_tensor_model_parallel_rank(), "pp": m.get_pipeline_model_parallel_rank(),
+                "cp": m.get_context_parallel_rank(), "dp": m.get_data_parallel_rank(), "is_output": self._is_output()}
 
     def device_name(self) -> str | None:
-        """The GPU's name (the controller looks up its peak FLOP/s); None on CPU."""
         return torch.cuda.get_device_name() if ON_GPU else None
 
     def peak_memory_gb(self) -> float:
-        """The most GPU memory this rank's tensors held since the last call, which starts the
-        next count; 0 on CPU."""
         if not ON_GPU:
             return 0.0
         peak = torch.cuda.max_memory_allocated() / 1e9
@@ -168,7 +145,6 @@ class MegatronModelWorker(TrainingBackend):
         self.optimizer = None
 
     def set_temperature(self, temperature: float):
-        """Logprobs are computed on logits / temperature, exactly as the sampler saw them."""
         self.io.temperature = temperature
 
     def set_learning_rate(self, lr: float):
@@ -304,11 +280,9 @@ class MegatronModelWorker(TrainingBackend):
     # ---- the step's rollout, held where it is used ------------------------------------
     @profiled
     def hold(self, shard: Batch) -> None:
-        """Keep this rank's DP shard of the step's rollout; the calls below read and extend it."""
         self.held = shard
 
     def extend_held(self, fields: Batch) -> None:
-        """Add fields (one per sample of the held shard, e.g. advantages) to the held shard."""
         self.held = self.held.with_fields(**fields.tensors)
 
     def export_held(self, names: list[str]) -> list | None:
@@ -350,7 +324,6 @@ class MegatronModelWorker(TrainingBackend):
         return sums if self._is_output() else None
 
     def train_held(self, part: int, parts: int, totals: BatchTotals, objective: Callable) -> dict | None:
-        """One optimizer step on part `part` of `parts` equal slices of the held shard."""
         return self.train(self.held.split(parts)[part], totals, objective)
 
     def evaluate_held(self, totals: BatchTotals, objective: Callable) -> dict | None:
@@ -473,9 +446,3 @@ class MegatronModelWorker(TrainingBackend):
         next setup(). The process and its imports stay, for a WarmPool to reuse."""
         self.release()
         self.__init__(**args)
-
-    def shutdown(self):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os._exit(0)
-
