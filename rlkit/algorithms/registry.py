@@ -17,15 +17,14 @@ The RL family's policy loss is chosen the same way: algorithm.policy_loss names 
 (POLICY_LOSSES) or a function of one's own as "module:attribute" (own_policy_loss).
 """
 
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from omegaconf import MISSING
 
+from rlkit.config.named import Lazy, NoSuchModule, import_named, named_attribute
 from rlkit.config.schema import ConfigError, RootConfig
-from rlkit.envs.base import start_directory_importable
 
 BUILTIN = ("grpo", "rloo", "reinforce_pp", "ppo", "sft", "dpo")
 
@@ -42,22 +41,6 @@ class AlgorithmConfig:
 
 def no_checks(cfg: RootConfig, dp: int) -> None:
     pass
-
-
-@dataclass(frozen=True)
-class Lazy:
-    """A spec's callable named as "module:attribute" (e.g. "rlkit.algorithms.policy_gradient:
-    PolicyGradientTrainer"), imported at its first call, when the run starts, not when the
-    config loads."""
-
-    target: str
-
-    def resolve(self):
-        module, _, attribute = self.target.partition(":")
-        return getattr(importlib.import_module(module), attribute)
-
-    def __call__(self, *args, **kwargs):
-        return self.resolve()(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -78,23 +61,6 @@ class AlgorithmSpec:
     estimator: Callable | None = None
     # RL: (algorithm config) -> whether the KL to the reference is a loss term (else a reward penalty)
     kl_in_loss: Callable[[Any], bool] | None = None
-
-
-class NoSuchModule(Exception):
-    """A module that a config value names does not exist."""
-
-
-def import_named(module_name: str):
-    """The module a config value names, found as rlkit finds environments' modules (installed, or
-    in the directory rlkit was started from). NoSuchModule where it does not exist; where it exists
-    but something it imports is missing, that ImportError: the user's to see, not "no module"."""
-    start_directory_importable()
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as e:
-        if e.name is not None and not module_name.startswith(e.name):
-            raise
-        raise NoSuchModule(str(e)) from None
 
 
 def load_algorithm(name: str) -> AlgorithmSpec:
@@ -132,15 +98,7 @@ def own_policy_loss(name: str) -> Callable:
     function cannot take a policy loss's arguments. The config's checks call it: before any worker."""
     wrong = (f"algorithm.policy_loss: must be one of {list(POLICY_LOSSES)} or a function of your own as "
              f"'module:attribute' (got: {name!r}); pick one of those (docs/algorithms.md: A loss of your own)")
-    module_name, _, attribute = name.partition(":")
-    if not module_name or not attribute:
-        raise ConfigError(wrong)
-    try:
-        loss = getattr(import_named(module_name), attribute, None)
-    except NoSuchModule as e:
-        raise ConfigError(f"{wrong}; {e}") from None
-    if not callable(loss):
-        raise ConfigError(f"{wrong}; module {module_name!r} defines no function {attribute!r}")
+    loss = named_attribute(name, wrong, "function", callable)
     try:
         inspect.signature(loss).bind(*POLICY_LOSS_ARGUMENTS, **dict.fromkeys(POLICY_LOSS_OPTIONAL))
     except TypeError as e:

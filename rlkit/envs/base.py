@@ -14,19 +14,12 @@ the next user turn, or `tool_messages` (role "tool") answer the model's tool cal
 
 import importlib
 import inspect
-import os
-import sys
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
-def start_directory_importable() -> None:
-    """Modules in the directory rlkit was started from import too, so a user's my_env.py next to
-    their recipe just works (Ray's workers have that directory on their path as well)."""
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+from rlkit.config.named import start_directory_importable
 
 
 def import_target(target: str):
