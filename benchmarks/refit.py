@@ -177,8 +177,7 @@ def link_refits(model_dir: Path, gbit: float | None, steps: int, bucket_mb: floa
         try:
             [engine_node] = set(workers.generation.workers.node_ips())
             driver = RefitDriver(cfg, workers.policy, workers.generation, workers.placement_group, sleepers=[])
-            dense = ObjectStoreTransfer(workers.policy, workers.generation, workers.placement_group,
-                                        cfg.refit.channel_host)
+            dense = ObjectStoreTransfer(workers.policy, workers.generation)
             results = []
             with link_cap(engine_node, gbit):
                 for step in range(steps + 1):

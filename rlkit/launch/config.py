@@ -28,12 +28,13 @@ from rlkit.bridge.base import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports
 from rlkit.bridge.adapters import check_init_from, check_peft
 from rlkit.checkpoint import named_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.config.choices import BROADCAST_GROUPS, FLOWS, OFFLOAD_MODES, PEFT_MODES, TOOL_PROMPTS, TRANSPORTS
+from rlkit.config.choices import BROADCAST_GROUPS, FLOWS, OFFLOAD_MODES, PEFT_MODES, TOOL_PROMPTS
 from rlkit.config.schema import (DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig,
                                  check_finite)
 from rlkit.envs.base import check_environment_config
 from rlkit.launch.preflight import check_config
 from rlkit.models.tiny import ARCHITECTURES, TINY_EXPERTS, TINY_HEADS, parse_tiny
+from rlkit.refit.transport import check_refit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # data.name -> config groups of that kind, for error messages
@@ -273,7 +274,8 @@ def validate(cfg: RootConfig) -> None:
     check_peft(p.peft, p.bridge, shape.hidden)
     check_init_from(p.peft)
     if algorithm.rollouts:
-        _validate_rollout_transport(cfg)
+        _validate_vllm(cfg)
+        check_refit(cfg)
         _validate_adapter_refit(cfg)
     _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
     if cfg.checkpoint.save_format == "hf" and p.use_distributed_optimizer:
@@ -444,7 +446,6 @@ def _validate_rollout_choices(cfg: RootConfig) -> None:
                               f"section; add /{section} to the recipe's defaults (see recipes/grpo_tiny_cpu.yaml)")
     _choice("generation.precision", cfg.generation.precision, ("fp32", "bf16"))
     _choice("generation.backend", cfg.generation.backend, ("hf", "vllm"))
-    _choice("refit.transport", cfg.refit.transport, TRANSPORTS)
     _choice("refit.channel_host", cfg.refit.channel_host, ("loopback", "node_ip"))
     _choice("refit.peft", cfg.refit.peft, PEFT_MODES)
     _choice("refit.broadcast_groups", cfg.refit.broadcast_groups, BROADCAST_GROUPS)
@@ -467,46 +468,12 @@ def _validate_engine_parallel(cfg: RootConfig) -> None:
                           f"(got: {tp}); pick a divisor of {heads}")
 
 
-def _validate_rollout_transport(cfg: RootConfig) -> None:
-    p, g = cfg.policy, cfg.generation
-    gpu_transports = ("cuda_ipc", "nccl")
-    if g.backend == "vllm":
-        if g.vllm is None:
-            raise ConfigError("generation.vllm: the vllm backend needs engine settings; use generation=vllm")
-        if cfg.refit.transport not in gpu_transports:
-            raise ConfigError(f"refit.transport: vLLM workers take weights through {list(gpu_transports)} "
-                              f"(got: {cfg.refit.transport!r}); use refit=cuda_ipc (colocated) or refit=nccl")
-        _validate_engine_parallel(cfg)
-    elif cfg.refit.transport in gpu_transports:
-        raise ConfigError(f"refit.transport: {cfg.refit.transport!r} needs generation.backend=vllm (vLLM engines on "
-                          f"NVIDIA GPUs); with generation.backend=hf (CPU machines) use refit=cpu")
-    engine_gpus = g.vllm.tensor_parallel_size if g.backend == "vllm" else 1
-    if cfg.refit.transport == "cuda_ipc" and (cfg.cluster.placement != "colocated"
-                                              or g.num_workers * engine_gpus != p.num_workers):
-        raise ConfigError("refit.transport: cuda_ipc needs cluster.placement=colocated with one policy rank on "
-                          "every GPU of the engines: generation.num_workers x generation.vllm.tensor_parallel_size "
-                          f"== policy.num_workers (got: {cfg.cluster.placement}, {g.num_workers} x {engine_gpus} vs "
-                          f"{p.num_workers}); use refit=nccl for disaggregated placement")
-    if cfg.refit.transport == "nccl" and cfg.cluster.placement != "disaggregated":
-        raise ConfigError("refit.transport: nccl needs cluster.placement=disaggregated (policy and vLLM on "
-                          "different GPUs); use refit=cuda_ipc when colocated")
-    if cfg.refit.bucket_mb <= 0:
-        raise ConfigError(f"refit.bucket_mb: must be > 0 (got: {cfg.refit.bucket_mb}); e.g. 512 on GPUs")
-    _validate_delta_refit(cfg)
-
-
-def _validate_delta_refit(cfg: RootConfig) -> None:
-    """refit.delta shrinks the bytes that cross a link from policy to generation: the object store's
-    (cpu) or nccl's; cuda_ipc crosses none."""
-    r = cfg.refit
-    if not r.delta:
+def _validate_vllm(cfg: RootConfig) -> None:
+    if cfg.generation.backend != "vllm":
         return
-    if r.transport == "cuda_ipc":
-        raise ConfigError("refit.delta: no gain on one GPU: refit.transport=cuda_ipc hands each bucket to the engine "
-                          "on the same GPU without copying it over any link; set refit.delta=false")
-    if r.peft == "adapter":
-        raise ConfigError("refit.delta: refit.peft=adapter moves the LoRA adapters alone, never the weights' "
-                          "buckets; set refit.delta=false, or refit.peft=merged")
+    if cfg.generation.vllm is None:
+        raise ConfigError("generation.vllm: the vllm backend needs engine settings; use generation=vllm")
+    _validate_engine_parallel(cfg)
 
 
 def _validate_adapter_refit(cfg: RootConfig) -> None:

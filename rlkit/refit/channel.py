@@ -42,8 +42,8 @@ READY = "ready"  # a receiver holds what a refit needs (e.g. nccl: its buffers) 
 
 @dataclass(frozen=True)
 class Report:
-    """A receiver's last word on a refit: its stats, or what went wrong."""
-    stats: dict
+    """A receiver's last word on a refit: its Received (rlkit/refit/receiver.py), or what went wrong."""
+    received: object
     error: str | None = None
 
 
@@ -153,9 +153,9 @@ class ChannelServer:
         self._last_plan = plan
         return self._channels
 
-    def finish(self) -> list[dict]:
-        """Every receiver's report of the refit (an error report is raised, naming its sender)."""
-        return [channel.receive("its report of the refit").stats for channel in self._channels]
+    def finish(self) -> list:
+        """Every receiver's Received of the refit (an error report is raised, naming its sender)."""
+        return [channel.receive("its report of the refit").received for channel in self._channels]
 
     def abort(self):
         """After a failure: close the channels, so receivers stop at once (not at their timeout)
@@ -187,12 +187,12 @@ def connect_to_sender(address: tuple[str, int, bytes], name: str, timeout_s: flo
 
 class ChannelThread:
     """A daemon thread in a generation worker's process: connects to the policy rank's channel
-    and serves each refit it starts with serve(channel, plan, start) -> stats. A failed refit is
+    and serves each refit it starts with serve(channel, plan, start) -> Received. A failed refit is
     reported to the sender, then the thread connects again for the next one; it ends when the
     sender is gone."""
 
     def __init__(self, address: tuple[str, int, bytes], name: str,
-                 serve: Callable[[Channel, RefitPlan, RefitStart], dict], device: int | None, timeout_s: float):
+                 serve: Callable[[Channel, RefitPlan, RefitStart], object], device: int | None, timeout_s: float):
         self.address, self.name, self.serve, self.device, self.timeout_s = address, name, serve, device, timeout_s
         self.last_error: str | None = None  # text only: a kept exception would keep its frames' buffers alive
         self.thread = threading.Thread(target=self._run, name=f"rlkit refit receiver ({name})", daemon=True)
@@ -229,11 +229,11 @@ class ChannelThread:
                 plan = start.plan or plan
                 if plan is None:
                     raise RuntimeError("refit: the sender referred to a previous plan this receiver never got")
-                stats = self.serve(channel, plan, start)
+                received = self.serve(channel, plan, start)
             except Exception as error:
-                channel.send(Report({}, f"{type(error).__name__}: {error}"))
+                channel.send(Report(None, f"{type(error).__name__}: {error}"))
                 raise
-            channel.send(Report(stats))
+            channel.send(Report(received))
 
 
 def wait_event(event: torch.cuda.Event, timeout_s: float, what: str):

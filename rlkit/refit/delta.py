@@ -247,15 +247,24 @@ class DeltaSender:
         self._encoded: list[EncodedBucket] = []
         self._seconds = 0.0
 
-    def begin(self, plan: RefitPlan, base_held: bool) -> None:
+    def begin(self, plan: RefitPlan, base_held: bool) -> str | None:
         """base_held: every receiver holds this sender's last version of every bucket. Without it
         (the first refit, a new receiver, one whose delta failed) or with a new plan, the memory
-        starts anew, so every bucket of this refit goes dense."""
-        if not base_held or plan != self._plan:
+        starts anew, so every bucket of this refit goes dense: returns why, else None."""
+        dense_because = None
+        if self._plan is None:
+            dense_because = "the first refit: no buckets sent before"
+        elif plan != self._plan:
+            dense_because = "the plan changed"
+        elif not base_held:
+            dense_because = ("a receiver does not hold the buckets of the last refit (a new or restarted "
+                             "generation worker, or a failed delta)")
+        if dense_because is not None:
             self._sent = {}
         if plan != self._plan:
             self._host.clear()
         self._plan, self._encoded, self._seconds = plan, [], 0.0
+        return dense_because
 
     def encode(self, packed: PackedBucket) -> EncodedBucket:
         """`packed` against the version of its bucket sent last, which it then replaces. Nothing may

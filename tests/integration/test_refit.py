@@ -52,7 +52,7 @@ def plan(workers):
 
 def test_refit_makes_generation_weights_bit_identical(workers, plan):
     before = workers.generation.weights()[0]
-    metrics = ObjectStoreTransfer(workers.policy, workers.generation, workers.placement_group, "loopback")(plan, True)
+    metrics = ObjectStoreTransfer(workers.policy, workers.generation)(plan, True)
     exported = workers.policy.export_hf_weights()
     assert len(plan.buckets) > 3 and metrics["refit/buckets"] == len(plan.buckets)
     assert metrics["refit/direct_export"] == workers.direct_export

@@ -4,7 +4,7 @@ import pytest
 
 from rlkit.cluster.placement import plan_placement
 from rlkit.refit.receiver import ANY_GPU, sender_for
-from rlkit.refit.transports.nccl import BroadcastGroup, broadcast_groups
+from rlkit.refit.transport import BroadcastGroup, broadcast_groups
 
 
 def test_colocated_engines_span_consecutive_bundles_each_shared_with_a_policy_rank():

@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from rlkit.cluster.refit_driver import ObjectStoreTransfer
+from rlkit.workers.generation.hf import HFGenerationWorker
 from rlkit.refit.plan import RefitIntegrityError, RefitPlan
 from rlkit.refit.sender import RefitSender
 from test_refit_delta_halves import Trained, assert_bit_identical, receiver
 
 
 class Group:
-    """A WorkerGroup whose workers are local objects: a call runs at once and is its own result."""
+    """A WorkerGroup whose workers are local objects: a call, by the method's name as WorkerGroup
+    makes it, runs at once and is its own result."""
 
     def __init__(self, workers: list):
         self.workers = workers
@@ -27,7 +29,7 @@ class Group:
         return len(self.workers)
 
     def every_rank(self, method, *args):
-        return [method(worker, *args) for worker in self.workers]
+        return [getattr(worker, method.__name__)(*args) for worker in self.workers]
 
     submit = every_rank
 
@@ -71,15 +73,23 @@ class Corrupting:
         return self.receiver.end()
 
 
+def generation_worker(receiver) -> HFGenerationWorker:
+    """An HF generation worker's refit calls over `receiver`, without its model."""
+    worker = object.__new__(HFGenerationWorker)
+    worker.receiver = receiver
+    return worker
+
+
 def transfer(corrupt_times: int):
     source = Trained()
     plan = RefitPlan.build(RefitSender(source).manifest(), bucket_bytes=2048, transfer_dtype="bfloat16",
                            keep_fp32=("router.bias",))
-    policy = SimpleNamespace(refit_sender=RefitSender(source))
+    sender = RefitSender(source)
+    policy = SimpleNamespace(refit_sender=sender, refit_stats=sender.sent)  # MegatronModelWorker's refit calls
     receivers = [receiver(plan, rank) for rank in range(2)]
-    workers = [SimpleNamespace(receiver=r) for r in receivers]
+    workers = [generation_worker(r) for r in receivers]
     move = ObjectStoreTransfer(SimpleNamespace(workers=Group([policy])), SimpleNamespace(workers=Group(workers)),
-                               None, "loopback", delta=True)
+                               delta=True)
     move(plan, True)  # dense: nothing held yet
     source.step()
     workers[0].receiver = Corrupting(receivers[0], corrupt_times)

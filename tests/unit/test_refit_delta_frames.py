@@ -13,7 +13,8 @@ from test_refit_delta_halves import setup
 
 from rlkit.refit.delta import DeltaReceiver, Frame, apply, encode, frame, unframe
 from rlkit.refit.plan import PackedBucket, RefitPlan
-from rlkit.refit.receiver import DELTA_FAILURE, StandingReceiver
+from rlkit.refit.receiver import StandingReceiver
+from rlkit.refit.transport import TransportSpec
 
 
 def _bucket(words: torch.Tensor) -> tuple[RefitPlan, PackedBucket]:
@@ -49,10 +50,10 @@ class FramesOverChannel:
     def prepare(self, plan: RefitPlan, fresh_receivers: bool):
         return None
 
-    def send(self, channels, plan: RefitPlan, pack, framed: bool = False):
-        assert framed
+    def send(self, channels, plan: RefitPlan, pack):
         for _ in plan.buckets:
             sent = pack(None)
+            assert isinstance(sent, Frame)
             for channel in channels:
                 channel.send((sent.index, sent.header, sent.payload.numpy().tobytes()))
 
@@ -101,10 +102,15 @@ class Engine(torch.nn.Module):
             held[name].data.copy_(w)
 
 
+# the pair as refit.transport names it (rlkit/refit/transport.py)
+FRAMES = TransportSpec("frames over the channel", sending_half=FramesOverChannel, receiving_half=FramesFromChannel,
+                       delta=True)
+
+
 @pytest.fixture
 def channel_refit():
     source, plan, sender, _, dense_refit = setup()
-    address = sender.open_channel(FramesOverChannel(), receivers=2, timeout_s=10, host="127.0.0.1")
+    address = sender.open_channel("test_refit_delta_frames:FRAMES", receivers=2, timeout_s=10, host="127.0.0.1")
     engines = [Engine(plan), Engine(plan)]
     receivers = [StandingReceiver(FramesFromChannel(), lambda e=e: e, address, f"generation worker {i}", 10)
                  for i, e in enumerate(engines)]
@@ -128,10 +134,10 @@ def test_delta_refits_over_the_channel_equal_the_dense_path_bit_for_bit(channel_
             source.step()
         report = sender.send(plan, with_checksum=True, delta=True)
         assert_bit_identical(engines, dense_refit())
-        assert all(DELTA_FAILURE not in r and r["timing/refit_delta_apply"] > 0 for r in report["received"])
-        sent = report["delta"]["refit/delta_bytes"]
+        assert all(r.delta_failure is None and r.metrics["timing/refit_delta_apply"] > 0 for r in report.received)
+        sent = report.bytes_sent
         assert sent == dense_bytes if step == 0 else sent < 0.5 * dense_bytes  # the first refit is dense
-        assert report["delta"]["refit/dense_bytes"] == dense_bytes
+        assert report.delta == (step > 0) and report.delta_metrics["refit/dense_bytes"] == dense_bytes
 
 
 def test_a_corrupted_delta_is_named_and_the_next_refit_is_dense(channel_refit):
@@ -141,13 +147,13 @@ def test_a_corrupted_delta_is_named_and_the_next_refit_is_dense(channel_refit):
     receivers[1].transport.corrupt = {1}
     report = sender.send(plan, with_checksum=True, delta=True)
     # reports come in the order the receivers connected, which their threads race for
-    failures = [r[DELTA_FAILURE] for r in report["received"] if DELTA_FAILURE in r]
+    failures = [r.delta_failure for r in report.received if r.delta_failure is not None]
     assert len(failures) == 1, failures
     assert failures[0].startswith("generation worker 1: refit: bucket 1 failed its checksum"), failures[0]
     receivers[1].transport.corrupt = set()
     redo = sender.send(plan, with_checksum=True, delta=True)  # what the driver does next
-    assert redo["delta"]["refit/delta_bytes"] == redo["delta"]["refit/dense_bytes"]
-    assert all(DELTA_FAILURE not in r for r in redo["received"])
+    assert redo.bytes_sent == redo.delta_metrics["refit/dense_bytes"] and not redo.delta
+    assert all(r.delta_failure is None for r in redo.received)
     assert_bit_identical(engines, dense_refit())
 
 
@@ -157,9 +163,10 @@ def test_a_receiver_that_lost_its_copies_gets_a_dense_refit(channel_refit):
     source.step()
     receivers[0]._delta = DeltaReceiver()  # as a restarted engine's process holds nothing
     report = sender.send(plan, with_checksum=True, delta=True)
-    assert report["delta"]["refit/delta_bytes"] == report["delta"]["refit/dense_bytes"]
+    assert report.bytes_sent == report.delta_metrics["refit/dense_bytes"]
+    assert "does not hold the buckets of the last refit" in report.dense_because
     assert_bit_identical(engines, dense_refit())
     source.step()
     again = sender.send(plan, with_checksum=True, delta=True)
-    assert again["delta"]["refit/delta_bytes"] < 0.5 * again["delta"]["refit/dense_bytes"]
+    assert again.bytes_sent < 0.5 * again.delta_metrics["refit/dense_bytes"]
     assert_bit_identical(engines, dense_refit())

@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from rlkit.refit.plan import RefitPlan
-from rlkit.refit.receiver import DELTA_FAILURE, ObjectStoreReceiver
+from rlkit.refit.receiver import ObjectStoreReceiver, Received
 from rlkit.refit.sender import RefitSender
 
 
@@ -67,7 +67,7 @@ def receiver(plan: RefitPlan, rank: int) -> ObjectStoreReceiver:
 
 
 def refit(sender: RefitSender, plan: RefitPlan, receivers: list[ObjectStoreReceiver], delta: bool = True,
-          corrupt: dict | None = None) -> tuple[list, list[dict]]:
+          corrupt: dict | None = None) -> tuple[list, list[Received]]:
     """One refit as ObjectStoreTransfer drives it: (the buckets sent, the receivers' reports).
     corrupt: {receiver: bucket index} whose bucket that receiver gets with one value flipped."""
     held = [r.begin(plan, verify_checksums=True) for r in receivers]  # every one: begin() resets each
@@ -112,12 +112,16 @@ def test_delta_refits_equal_the_dense_path_bit_for_bit():
             source.step()
         sent, reports = refit(sender, plan, receivers)
         assert_bit_identical(receivers, dense_refit())
-        metrics = sender.stats()["delta"]
+        outcome = sender.sent()
+        metrics = outcome.delta_metrics
         assert metrics["refit/dense_bytes"] == plan.total_bytes and metrics["timing/refit_delta_encode"] > 0
-        assert all(set(report) == {"timing/refit_delta_apply"} for report in reports)
+        assert outcome.bytes_sent == metrics["refit/delta_bytes"]
+        assert all(set(r.metrics) == {"timing/refit_delta_apply"} and r.delta_failure is None for r in reports)
         if version == 0:  # nothing to compare with: every bucket whole
             assert {b.encoding for b in sent} == {"dense"} and metrics["refit/delta_fraction"] == 1.0
+            assert not outcome.delta and outcome.dense_because.startswith("the first refit")
         else:
+            assert outcome.delta and outcome.dense_because is None
             assert 0 < metrics["refit/delta_fraction"] < 0.5, metrics
             assert metrics["refit/delta_bytes"] < 0.75 * metrics["refit/dense_bytes"], metrics
             assert {"indices", "bitmap"} & {b.encoding for b in sent}
@@ -130,11 +134,11 @@ def test_a_corrupted_delta_is_named_and_the_next_refit_is_dense():
     victim = next(b.index for b in refit(sender, plan, receivers)[0] if b.encoding != "dense" and b.changed)
     source.step()
     _, reports = refit(sender, plan, receivers, corrupt={0: victim})
-    failure = reports[0][DELTA_FAILURE]
+    failure = reports[0].delta_failure
     assert failure.startswith("generation worker 0: ") and f"bucket {victim} failed its checksum" in failure
-    assert DELTA_FAILURE not in reports[1]
+    assert reports[1].delta_failure is None
     sent, reports = refit(sender, plan, receivers)  # what the driver does next: the same version again
-    assert {b.encoding for b in sent} == {"dense"} and not any(DELTA_FAILURE in r for r in reports)
+    assert {b.encoding for b in sent} == {"dense"} and not any(r.delta_failure for r in reports)
     assert_bit_identical(receivers, dense_refit())
 
 
@@ -145,12 +149,14 @@ def test_a_new_receiver_or_a_new_plan_gets_a_dense_refit():
     receivers.append(receiver(plan, len(receivers)))  # a generation worker restarted
     sent, _ = refit(sender, plan, receivers)
     assert {b.encoding for b in sent} == {"dense"}
+    assert "does not hold the buckets of the last refit" in sender.sent().dense_because
     assert_bit_identical(receivers, dense_refit())
     source.step()
     assert {b.encoding for b in refit(sender, plan, receivers)[0]} != {"dense"}
     rebuilt = RefitPlan.build(sender.manifest(), bucket_bytes=4096, transfer_dtype="bfloat16",
                               keep_fp32=("router.bias",))
     assert {b.encoding for b in refit(sender, rebuilt, receivers)[0]} == {"dense"}
+    assert sender.sent().dense_because == "the plan changed"
     assert_bit_identical(receivers, dense_refit())
 
 
@@ -164,4 +170,5 @@ def test_unchanged_weights_travel_as_empty_deltas_padding_included(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).random_(0, 100))
     for _ in range(2):
         sent, _ = refit(sender, plan, receivers)
-    assert [b.changed for b in sent] == [0] * len(plan.buckets) and sender.stats()["delta"]["refit/delta_bytes"] == 0
+    assert [b.changed for b in sent] == [0] * len(plan.buckets)
+    assert sender.sent().delta_metrics["refit/delta_bytes"] == sender.sent().bytes_sent == 0

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from rlkit.refit.plan import PackedBucket, RefitPlan
-from rlkit.refit.receiver import StandingReceiver
+from rlkit.refit.receiver import Received, StandingReceiver
 from rlkit.refit.sender import RefitSender
+from rlkit.refit.transport import TransportSpec
 
 SHAPES = {"embed": (6, 4), "q": (4, 4), "k": (2, 4), "norm": (4,)}
 
@@ -72,12 +73,16 @@ class BytesFromChannel:
             load(PackedBucket(index, torch.frombuffer(bytearray(data), dtype=torch.uint8), checksum))
 
 
+# the pair as refit.transport names it (rlkit/refit/transport.py); the sender looks it up by that name
+BYTES = TransportSpec("bytes over the channel", sending_half=BytesOverChannel, receiving_half=BytesFromChannel)
+
+
 @pytest.fixture
 def refit():
     source = Source(seed=0)
     sender = RefitSender(source)
     plan = RefitPlan.build(sender.manifest(), bucket_bytes=64)
-    address = sender.open_channel(BytesOverChannel(), receivers=2, timeout_s=10, host="127.0.0.1")
+    address = sender.open_channel("test_refit_halves:BYTES", receivers=2, timeout_s=10, host="127.0.0.1")
     engines = [Engine(), Engine()]
     receivers = [StandingReceiver(BytesFromChannel(), lambda e=e: e, address, f"generation worker {i}", 10)
                  for i, e in enumerate(engines)]
@@ -93,8 +98,9 @@ def test_refits_through_the_loader_then_by_replay_are_bit_exact(refit):
     for seed in (0, 1, 2):  # the first refit learns the loader, the next ones replay it
         source.set_weights(seed)
         report = sender.send(plan, with_checksum=True)
-        assert report["received"] == [{"refit/replayable_fraction": 1.0}] * 2
-        assert report["direct"] is False and report["export"] >= 0
+        assert report.received == (Received({"refit/replayable_fraction": 1.0}),) * 2
+        assert report.direct is False and report.export_s >= 0 and report.bytes_sent == plan.total_bytes
+        assert not report.delta and report.dense_because is None
         w = source.weights
         for engine in engines:
             assert torch.equal(engine.embed, w["embed"]) and torch.equal(engine.norm, w["norm"])
@@ -112,3 +118,23 @@ def test_a_receiver_whose_load_fails_is_named_and_the_next_refit_works(refit):
     source.set_weights(5)
     sender.send(plan, with_checksum=True)  # the receivers connected again
     assert torch.equal(engines[1].embed, source.weights["embed"])
+
+
+class SkipsTheLastBucket(BytesFromChannel):
+    """A receiving half that takes every bucket off the channel but hands the last one to no loader."""
+
+    def receive(self, channel, plan: RefitPlan, start, load):
+        super().receive(channel, plan, start, lambda packed: packed.index == len(plan.buckets) - 1 or load(packed))
+
+
+def test_a_bucket_the_receiving_half_never_loads_fails_the_refit_naming_it():
+    sender = RefitSender(Source(seed=0))
+    plan = RefitPlan.build(sender.manifest(), bucket_bytes=64)
+    address = sender.open_channel("test_refit_halves:BYTES", receivers=1, timeout_s=10, host="127.0.0.1")
+    engine = Engine()
+    receiver = StandingReceiver(SkipsTheLastBucket(), lambda: engine, address, "generation worker 0", 10)
+    with pytest.raises(RuntimeError, match=rf"generation worker 0 failed: RefitIntegrityError: refit incomplete on "
+                                           rf"generation worker 0: buckets \[{len(plan.buckets) - 1}\] never arrived"):
+        sender.send(plan, with_checksum=True)
+    sender._server.close()
+    receiver.thread.thread.join(timeout=10)

@@ -1,7 +1,7 @@
-"""The nccl transport's two halves and their communicators. A communicator joins one policy rank
-(rank 0 in it) and the vLLM processes it feeds, outside both sides' own process groups
-(broadcast_groups says who feeds whom). Built on vLLM's stateless process group and PyNccl so it
-needs no shared torch.distributed world.
+"""The nccl transport's two halves and their communicators (its spec: rlkit/refit/transport.py).
+A communicator joins one policy rank (rank 0 in it) and the vLLM processes it feeds, outside both
+sides' own process groups (refit.broadcast_groups says who feeds whom: transport.broadcast_groups).
+Built on vLLM's stateless process group and PyNccl so it needs no shared torch.distributed world.
 
 Both sides keep two bucket buffers across refits (regrown when a plan needs larger ones) and
 alternate them: the sender packs bucket k+1 while bucket k is on the wire, each receiver loads
@@ -9,7 +9,6 @@ bucket k while k+1 arrives. Hosts wait on events with a deadline, so a peer that
 broadcast is an error, not a hang. A communicator that failed mid-refit cannot tell which
 broadcast its peers are in, so it refuses further refits."""
 
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
@@ -18,33 +17,6 @@ import torch
 from rlkit.refit.channel import READY, Channel, RefitStart, wait_event
 from rlkit.refit.delta import FRAME_HEADER_WORDS, Frame
 from rlkit.refit.plan import PackedBucket, RefitPlan
-
-
-@dataclass(frozen=True)
-class BroadcastGroup:
-    """One communicator: policy rank `sender` (rank 0 in it), then every process of `engines`, in
-    engine order, each engine's in the order of its GPUs."""
-    sender: int
-    engines: tuple[int, ...]
-    engine_gpus: int
-
-    @property
-    def world_size(self) -> int:
-        return 1 + len(self.engines) * self.engine_gpus
-
-    def first_rank(self, engine: int) -> int:
-        """The rank of the engine's first process (its others follow)."""
-        return 1 + self.engines.index(engine) * self.engine_gpus
-
-
-def broadcast_groups(grouping: str, policy_ranks: int, engines: int, engine_gpus: int) -> list[BroadcastGroup]:
-    """refit.broadcast_groups: one (policy rank 0 broadcasts to every engine) or spread (engine i
-    is fed by policy rank i mod policy_ranks, one communicator per sending rank, so the ranks send
-    at once; every policy rank holds or gathers the whole export, so any can send)."""
-    if grouping == "one":
-        return [BroadcastGroup(0, tuple(range(engines)), engine_gpus)]
-    return [BroadcastGroup(rank, tuple(range(rank, engines, policy_ranks)), engine_gpus)
-            for rank in range(min(policy_ranks, engines))]
 
 
 class RefitCommunicator:
@@ -72,11 +44,11 @@ class RefitCommunicator:
             self._buffers = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
         return self._buffers
 
-    def send_all(self, plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket | Frame], framed: bool = False):
+    def send_all(self, plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket | Frame]):
         """pack(buffer) packs the next bucket into buffer, on the current stream; each bucket
-        (and, when it carries one, its checksum) is broadcast on the side stream. framed
-        (refit.delta): pack returns a Frame, whose header goes first, since it tells the receivers
-        how many payload bytes follow."""
+        (and, when it carries one, its checksum) is broadcast on the side stream. A Frame
+        (refit.delta) has its header go first, since it tells the receivers how many payload
+        bytes follow."""
         buffers, current = self.prepare(plan), torch.cuda.current_stream()
         sent: list[torch.cuda.Event | None] = [None, None]
         try:
@@ -85,6 +57,7 @@ class RefitCommunicator:
                 if sent[slot] is not None:
                     wait_event(sent[slot], self.timeout_s, f"the generation workers to receive bucket {bucket.index - 2}")
                 packed = pack(buffers[slot])
+                framed = isinstance(packed, Frame)
                 # on the current stream: a host-to-device copy on the side stream would wait for
                 # the broadcast queued there
                 if framed:
@@ -183,11 +156,10 @@ class NcclSender:
     def prepare(self, plan: RefitPlan, fresh_receivers: bool) -> None:
         self.communicator.prepare(plan)  # before any receiver is told to start
 
-    def send(self, channels: list[Channel], plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket | Frame],
-             framed: bool = False):
+    def send(self, channels: list[Channel], plan: RefitPlan, pack: Callable[[torch.Tensor], PackedBucket | Frame]):
         for channel in channels:
             channel.expect(READY, "it to be ready for the broadcasts")
-        self.communicator.send_all(plan, pack, framed)
+        self.communicator.send_all(plan, pack)
 
 
 class NcclReceiver:

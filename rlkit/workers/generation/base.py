@@ -1,6 +1,6 @@
 """The generation interface. HF transformers implements it for CPU; vLLM for GPUs. How weights
-arrive differs per backend and lives in rlkit/refit/receiver.py: HF workers host an
-ObjectStoreReceiver, vLLM engines a StandingReceiver in each of their processes. With
+arrive lives in rlkit/refit/receiver.py: an ObjectStoreReceiver (HF workers, refit.transport=cpu)
+or, over a transport with halves, a StandingReceiver in each of the worker's processes. With
 refit.peft=adapter a worker instead loads the real base weights itself, with LoRA on
 policy.peft's modules, and each refit hands it the adapters alone (load_adapters)."""
 
@@ -24,6 +24,23 @@ class GenerationWorker(ABC):
         """refit.peft=adapter: the policy's LoRA adapters ({HF PEFT name: tensor}, as
         TrainingBackend.export_refit_adapters gives them) replace this worker's, every one
         of them consumed and none missing."""
+
+    @abstractmethod
+    def join_refit_communicator(self, transport: str, host: str, port: int, world_size: int, first_rank: int,
+                                timeout_s: float) -> None:
+        """refit.transport's handshake (its spec's join): this worker's processes join the
+        communicator of the policy rank that feeds it (rank 0 there), at ranks first_rank on, in
+        the order of its GPUs."""
+
+    @abstractmethod
+    def start_refit_receiver(self, transport: str, senders: dict[str, tuple], timeout_s: float) -> None:
+        """Each process of this worker serves refits from now on, through refit.transport's
+        receiving half, from the policy rank that senders names for its GPU
+        (rlkit/refit/receiver.py: sender_for)."""
+
+    def weights_changing(self) -> None:
+        """A refit is under way whose bytes bypass this actor (a standing receiver's): whatever
+        caches results of the old weights is stale."""
 
     @abstractmethod
     def weight_checksums(self) -> list[dict[str, int]]:

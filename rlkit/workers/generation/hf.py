@@ -9,7 +9,9 @@ from rlkit.observability.startup import PhaseTimes
 from rlkit.models.tokenizer import load_tokenizer
 from rlkit.refit.delta import EncodedBucket
 from rlkit.refit.plan import PackedBucket, RefitIntegrityError, RefitPlan, bucket_checksum
-from rlkit.refit.receiver import ObjectStoreReceiver
+from rlkit.refit.receiver import (CheckpointTensors, ObjectStoreReceiver, Received, StandingReceiver,
+                                  check_plan_fits, receiving_half, sender_for)
+from rlkit.refit.transport import transport_spec
 from rlkit.workers.generation.base import GenerationWorker
 
 
@@ -36,6 +38,8 @@ class HFGenerationWorker(GenerationWorker):
         # expert bias included, fused MoE experts as views, tied weights once); peft's LoRA layers wrap these
         self._tensors = checkpoint_tensors(base)
         self.receiver = ObjectStoreReceiver(self._tensors, self.name) if adapter is None else None
+        self.standing_receiver: StandingReceiver | None = None  # a refit transport's with halves
+        self._refit_communicator = None  # what that transport's handshake made
         self.model = (base if adapter is None else _with_lora(base, adapter)).eval()
 
     def reset(self, args: dict):
@@ -86,8 +90,19 @@ class HFGenerationWorker(GenerationWorker):
     def load_bucket(self, bucket: PackedBucket | EncodedBucket) -> None:
         self.receiver.load(bucket)
 
-    def end_refit(self) -> dict:
+    def end_refit(self) -> Received:
         return self.receiver.end()
+
+    # refit through a transport's halves (rlkit/refit/transport.py): a standing receiver in this process
+    def join_refit_communicator(self, transport: str, host: str, port: int, world_size: int, first_rank: int,
+                                timeout_s: float) -> None:
+        self._refit_communicator = transport_spec(transport).join(host, port, first_rank, world_size, timeout_s)
+
+    def start_refit_receiver(self, transport: str, senders: dict[str, tuple], timeout_s: float) -> None:
+        model = CheckpointTensors(self._tensors)
+        self.standing_receiver = StandingReceiver(
+            receiving_half(transport, self._refit_communicator), lambda: model, sender_for(senders, None, self.name),
+            self.name, timeout_s, check_plan=lambda plan: check_plan_fits(plan, self._tensors, self.name))
 
     # refit.peft=adapter: the adapters alone, one Ray call (rlkit/cluster/refit_driver.py AdapterTransfer)
     def load_adapters(self, adapters: dict[str, torch.Tensor]) -> None:

@@ -163,13 +163,10 @@ class VLLMGenerationWorker(GenerationWorker):
         return self.llm.collective_rpc(method, args=(pickle.dumps(args),))
 
     def start_refit_receiver(self, transport: str, senders: dict[str, tuple], timeout_s: float) -> None:
-        """Each vLLM worker process of this engine serves refits from now on, from the policy
-        rank that senders names for its GPU (rlkit/refit/receiver.py: sender_for)."""
         self._rpc("rlkit_start_refit_receiver", transport, senders, f"generation worker {self.rank}", timeout_s)
 
     def weights_changing(self) -> None:
-        """A refit is under way (its bytes bypass this actor): the prefix cache is stale."""
-        self._prefix_cache_stale = True
+        self._prefix_cache_stale = True  # reset at the next generate()
 
     def load_adapters(self, adapters: dict[str, torch.Tensor]) -> None:
         """A new adapter directory and LoRARequest (a new id: vLLM loads an id once and reuses it),
@@ -193,11 +190,9 @@ class VLLMGenerationWorker(GenerationWorker):
         if self.adapter_root is not None:
             shutil.rmtree(self.adapter_root, ignore_errors=True)
 
-    def join_refit_communicator(self, host: str, port: int, world_size: int, first_rank: int,
+    def join_refit_communicator(self, transport: str, host: str, port: int, world_size: int, first_rank: int,
                                 timeout_s: float) -> None:
-        """nccl: this engine's processes join the communicator of the policy rank that feeds it
-        (rank 0 there), at ranks first_rank on, in the order of its GPUs."""
-        self._rpc("rlkit_join_refit_communicator", host, port, world_size, first_rank, timeout_s)
+        self._rpc("rlkit_join_refit_communicator", transport, host, port, world_size, first_rank, timeout_s)
 
     def weight_checksums(self) -> list[dict[str, int]]:
         return self._rpc("rlkit_param_checksums")

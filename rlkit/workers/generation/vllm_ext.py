@@ -26,11 +26,12 @@ def _pickled_args(method):
 
 class RefitExtension:
     @_pickled_args
-    def rlkit_join_refit_communicator(self, host: str, port: int, world_size: int, first_rank: int,
+    def rlkit_join_refit_communicator(self, transport: str, host: str, port: int, world_size: int, first_rank: int,
                                       timeout_s: float):
         """first_rank: the engine's first process's rank; this one's follows by its rank in the engine."""
-        from rlkit.refit.transports.nccl import RefitCommunicator
-        self._rlkit_communicator = RefitCommunicator(host, port, first_rank + self.rank, world_size, timeout_s)
+        from rlkit.refit.transport import transport_spec
+        self._rlkit_communicator = transport_spec(transport).join(host, port, first_rank + self.rank, world_size,
+                                                                  timeout_s)
 
     @_pickled_args
     def rlkit_start_refit_receiver(self, transport: str, senders: dict[str, tuple], name: str, timeout_s: float):

@@ -13,6 +13,7 @@ import torch
 
 from rlkit.checkpoint import WrittenFiles
 from rlkit.data.batch import Batch, BatchTotals
+from rlkit.refit.sender import SentRefit
 
 
 class TrainingBackend(ABC):
@@ -143,19 +144,23 @@ class TrainingBackend(ABC):
 
     @abstractmethod
     def open_refit_channel(self, transport: str, receivers: int, timeout_s: float, channel_host: str) -> tuple:
-        """Listen for the engines' receivers; the address they connect to."""
+        """Listen for the engines' receivers, which refit.transport `transport`'s sending half
+        will feed; the address they connect to."""
 
     @abstractmethod
-    def join_refit_communicator(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        """Join the communicator that carries the weights to the engines (nccl)."""
+    def join_refit_communicator(self, transport: str, host: str, port: int, world_size: int,
+                                timeout_s: float) -> None:
+        """refit.transport's handshake: join the communicator that carries the weights to the
+        engines (nccl's), as its rank 0."""
 
     @abstractmethod
-    def send_refit(self, plan, with_checksum: bool, delta: bool = False) -> dict:
-        """Send the weights as the plan lays them out. Collective."""
+    def send_refit(self, plan, with_checksum: bool, delta: bool = False) -> SentRefit:
+        """Send the weights as the plan lays them out, over this rank's channel; what it did, with
+        the receivers' reports. Collective."""
 
     @abstractmethod
-    def refit_stats(self) -> dict:
-        """The last refit's figures on this side."""
+    def refit_stats(self) -> SentRefit | None:
+        """The last refit this rank exported for (stream_refit_buckets: Ray's object store)."""
 
     @abstractmethod
     def export_refit_adapters(self, dtype: str) -> dict[str, torch.Tensor] | None:

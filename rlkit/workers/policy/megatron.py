@@ -27,7 +27,7 @@ from rlkit.observability.profiling import profiled
 from rlkit.observability.startup import PhaseTimes, without_wandb
 from rlkit.refit.delta import EncodedBucket
 from rlkit.refit.plan import PackedBucket, RefitPlan
-from rlkit.refit.sender import RefitSender, sending_half
+from rlkit.refit.sender import RefitSender, SentRefit
 from rlkit.workers.policy.base import TrainingBackend
 from rlkit.workers.policy.checkpoint_io import CheckpointIO
 from rlkit.workers.policy.expected_warnings import silence_expected_warnings
@@ -367,8 +367,8 @@ class MegatronModelWorker(TrainingBackend):
                              base_held: bool = False) -> Iterator[PackedBucket | EncodedBucket]:
         yield from self.refit_sender.stream_buckets(plan, with_checksum, delta, base_held)
 
-    def join_refit_communicator(self, host: str, port: int, world_size: int, timeout_s: float):
-        self.refit_sender.join_communicator(host, port, world_size, timeout_s)
+    def join_refit_communicator(self, transport: str, host: str, port: int, world_size: int, timeout_s: float):
+        self.refit_sender.join(transport, host, port, world_size, timeout_s)
 
     def refit_gpu(self) -> str:
         """This rank's GPU, as the engine process beside it finds it (cuda_ipc)."""
@@ -379,16 +379,15 @@ class MegatronModelWorker(TrainingBackend):
         """channel_host (refit.channel_host): loopback, or node_ip for receivers on other nodes."""
         import ray
 
-        half = sending_half(transport, self.refit_sender.communicator)
         host = "127.0.0.1" if channel_host == "loopback" else ray.util.get_node_ip_address()
-        return self.refit_sender.open_channel(half, receivers, timeout_s, host)
+        return self.refit_sender.open_channel(transport, receivers, timeout_s, host)
 
     @profiled
-    def send_refit(self, plan: RefitPlan, with_checksum: bool, delta: bool = False) -> dict:
+    def send_refit(self, plan: RefitPlan, with_checksum: bool, delta: bool = False) -> SentRefit:
         return self.refit_sender.send(plan, with_checksum, delta)
 
-    def refit_stats(self) -> dict:
-        return self.refit_sender.stats()
+    def refit_stats(self) -> SentRefit | None:
+        return self.refit_sender.sent()
 
     def export_refit_adapters(self, dtype: str) -> dict[str, torch.Tensor] | None:
         """refit.peft=adapter: policy.peft's adapters alone, {HF PEFT name (<HF module>.lora_A.weight,
