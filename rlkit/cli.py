@@ -34,7 +34,7 @@ def _train(args) -> int:
     console.log_run_in(Path(cfg.run.output_dir) / cfg.run.name)
     from rlkit.cluster.fork_server import start_ahead
 
-    start_ahead(cfg.cluster)  # its imports overlap the driver's
+    fork_server = start_ahead(cfg.cluster, cfg.policy.bridge)  # its imports overlap the driver's
     from rlkit.algorithms.loop import RunStopped
     from rlkit.checkpoint import CheckpointWriteError
     from rlkit.envs.runner import EnvironmentFailure
@@ -42,7 +42,7 @@ def _train(args) -> int:
     from rlkit.observability.startup import StartupClock
 
     try:
-        result = train(cfg, resolved, StartupClock(from_rlkit_start=True))
+        result = train(cfg, resolved, StartupClock(from_rlkit_start=True), fork_server=fork_server)
     except RunStopped as e:
         print(f"rlkit: {e}", file=sys.stderr)
         return 128 + signal.Signals[e.reason]

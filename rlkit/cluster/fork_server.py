@@ -61,13 +61,15 @@ log = logging.getLogger(__name__)
 # classes, the Megatron worker's module (first: its import filters megatron-core's expected
 # warnings), megatron-core as a CPU run imports it, the bridge, and the generation worker's module
 PRELOAD = ("transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
-           "rlkit.workers.policy.megatron", "rlkit.workers.policy.cpu_compat:import_megatron", "mbridge",
+           "rlkit.workers.policy.megatron", "rlkit.workers.policy.cpu_compat:import_megatron", "<bridge>",
            "rlkit.workers.generation.hf")
 # what GPU workers import: vLLM's engine first (the generation workers ask first), then the Megatron
 # worker's module, megatron-core as a GPU run imports it, the bridge, and the checker of the GPU
 # recipes' math environment (math-verify, with sympy)
 GPU_PRELOAD = ("vllm.entrypoints.llm", "rlkit.workers.generation.vllm", "rlkit.workers.policy.megatron",
-               "megatron.core.parallel_state", "megatron.core.tensor_parallel.random", "mbridge", "math_verify")
+               "megatron.core.parallel_state", "megatron.core.tensor_parallel.random", "<bridge>", "math_verify")
+# "<bridge>" above: policy.bridge's library (Megatron-Bridge imported as its backend does, through its fixes)
+BRIDGE_PRELOAD = {"mbridge": "mbridge", "megatron_bridge": "rlkit.bridge.megatron_bridge_compat:auto_bridge"}
 _PR_SET_PDEATHSIG = 1
 DIRECTORY_PREFIX = "rlkit-fork-"  # a server's folder in the temporary one: rlkit-fork-<driver pid>-<random>
 CLIENT = Path(__file__).with_name("fork_client.py")
@@ -78,30 +80,20 @@ def available() -> bool:
     return sys.platform == "linux"
 
 
-def preload_here() -> tuple[str, ...]:
-    """The modules this machine's workers import: GPU_PRELOAD where an NVIDIA GPU is, else PRELOAD."""
-    return GPU_PRELOAD if Path("/dev/nvidiactl").exists() else PRELOAD
+def preload_for(bridge: str) -> tuple[str, ...]:
+    """The modules this machine's workers import, with policy.bridge's library: GPU_PRELOAD where an
+    NVIDIA GPU is, else PRELOAD."""
+    modules = GPU_PRELOAD if Path("/dev/nvidiactl").exists() else PRELOAD
+    return tuple(BRIDGE_PRELOAD[bridge] if module == "<bridge>" else module for module in modules)
 
 
-_ahead: "ForkServer | None" = None  # started by start_ahead, until the local cluster takes it
-
-
-def start_ahead(cluster: "ClusterConfig") -> None:
+def start_ahead(cluster: "ClusterConfig", bridge: str) -> "ForkServer | None":
     """At the start of a command that will start a local cluster whose workers fork: the server,
-    importing while the driver does."""
-    global _ahead
+    importing while the driver does, for the command to hand to the cluster (None where no
+    local cluster's workers will fork)."""
     if cluster.fork_workers and available() and cluster.address_to_join() is None:
-        _ahead = ForkServer.start()
-
-
-def take_started_ahead() -> "ForkServer | None":
-    """The server start_ahead started (once; None if it did not, or it has died)."""
-    global _ahead
-    server, _ahead = _ahead, None
-    if server is not None and server.process.poll() is not None:
-        server.stop()
-        return None
-    return server
+        return ForkServer.start(preload_for(bridge))
+    return None
 
 
 class ForkServer:
@@ -112,9 +104,9 @@ class ForkServer:
         self.socket = directory / "fork.sock"
 
     @classmethod
-    def start(cls, preload: tuple[str, ...] | None = None, timeout_s: float = 30) -> "ForkServer":
+    def start(cls, preload: tuple[str, ...], timeout_s: float = 30) -> "ForkServer":
         """Start the server and wait until it listens (it preloads afterwards, while clients queue).
-        preload: module names, or module:function to call once imported (default: preload_here())."""
+        preload: module names, or module:function to call once imported (preload_for)."""
         _remove_stale_directories()
         # named after this process, whose end ends the server; short: a socket path fits 107 bytes
         directory = Path(tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-"))
@@ -124,7 +116,7 @@ class ForkServer:
         # torch asks NVML, not CUDA's driver, whether a GPU is there (a module that asks as it imports)
         env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         process = subprocess.Popen([sys.executable, "-m", "rlkit.cluster.fork_server", str(directory / "fork.sock"),
-                                    str(lifeline_read), *(preload_here() if preload is None else preload)],
+                                    str(lifeline_read), *preload],
                                    stdin=subprocess.DEVNULL, pass_fds=(lifeline_read,), env=env,
                                    # out of the driver's process group, as the local cluster's Ray processes
                                    # are (ray_runtime): its signal is the driver's alone to handle

@@ -17,7 +17,7 @@ from ray._private import utils as ray_utils
 from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
 from ray._private.node import Node
 
-from rlkit.cluster.fork_server import CLIENT, ForkServer, take_started_ahead
+from rlkit.cluster.fork_server import CLIENT, ForkServer, preload_for
 from rlkit.cluster.fork_server import available as fork_server_available
 from rlkit.cluster.process_group import ProcessGroup
 from rlkit.config.schema import ClusterConfig, ConfigError
@@ -29,8 +29,10 @@ _process_group: ProcessGroup | None = None  # the local cluster's processes', wh
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 
 
-def join_or_start_ray(cfg: ClusterConfig) -> bool:
-    """Returns True if this call started a local cluster (the caller shuts it down)."""
+def join_or_start_ray(cfg: ClusterConfig, bridge: str, fork_server: ForkServer | None = None) -> bool:
+    """Returns True if this call started a local cluster (the caller shuts it down). Its workers
+    fork from fork_server (a command's, started as it began: fork_server.start_ahead; the cluster
+    stops it), else from one started here that preloads policy.bridge's library (bridge)."""
     if ray.is_initialized():
         return False
     console.route_ray_output()
@@ -44,18 +46,21 @@ def join_or_start_ray(cfg: ClusterConfig) -> bool:
         with _own_signal_handlers():
             ray.init(address=address, log_to_driver=True)
         return False
-    _start_local(cfg)
+    _start_local(cfg, bridge, fork_server)
     log.info("started a local Ray cluster (%d logical CPUs, loopback only)", cfg.num_cpus)
     return True
 
 
-def _start_local(cfg: ClusterConfig) -> None:
+def _start_local(cfg: ClusterConfig, bridge: str, started_ahead: ForkServer | None) -> None:
     """A cluster that listens on 127.0.0.1 only and runs no dashboard."""
     global _fork_server, _process_group
     try:
-        _fork_server = take_started_ahead()  # a command's, started as it began
+        _fork_server = started_ahead
+        if _fork_server is not None and _fork_server.process.poll() is not None:  # it died meanwhile
+            _fork_server.stop()
+            _fork_server = None
         if _fork_server is None and cfg.fork_workers and fork_server_available():
-            _fork_server = ForkServer.start()
+            _fork_server = ForkServer.start(preload_for(bridge))
         # the raylet holds the first driver's registration until a worker it starts for it ahead
         # has started: a forked one waits for the server's imports (vLLM's, on a GPU: 15-20 s),
         # which would keep the driver from its own start-up meanwhile. Workers start on demand.

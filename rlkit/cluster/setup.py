@@ -90,7 +90,7 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
     clock = clock or StartupClock()
     if started_cluster is None:
         with clock.phase("ray"):
-            started_cluster = join_or_start_ray(cfg.cluster)
+            started_cluster = join_or_start_ray(cfg.cluster, cfg.policy.bridge)
     try:
         return _start_workers(cfg, model_dir, with_generation, with_critic, clock, pool, started_cluster)
     except BaseException as error:

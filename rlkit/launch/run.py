@@ -14,6 +14,7 @@ from rlkit.algorithms.loop import RunContext, RunResult, RunStopped, run_steps
 from rlkit.algorithms.registry import load_algorithm
 from rlkit.algorithms.warm_start import cached_warm_start, warm_start_dir
 from rlkit.checkpoint import CheckpointManager
+from rlkit.cluster.fork_server import ForkServer
 from rlkit.cluster.ray_runtime import join_or_start_ray, stop_local_ray
 from rlkit.cluster.setup import start_workers
 from rlkit.cluster.warm_pool import WarmPool
@@ -36,10 +37,11 @@ log = logging.getLogger("rlkit")
 
 
 def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = None,
-          pool: WarmPool | None = None) -> RunResult:
+          pool: WarmPool | None = None, fork_server: ForkServer | None = None) -> RunResult:
     """Train cfg.algorithm.name; returns the run's metrics history and folder. clock: where the
     start-up's phases are timed (default: from this call). pool: worker processes kept between the
-    runs of this process (CPU), instead of new ones."""
+    runs of this process (CPU), instead of new ones. fork_server: the command's, started as it
+    began (fork_server.start_ahead), for the local cluster this run starts."""
     clock = clock or StartupClock()
     algorithm = load_algorithm(cfg.algorithm.name)
     check_generation_backend(cfg)
@@ -71,7 +73,7 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
         with ThreadPoolExecutor(1, thread_name_prefix="rlkit-data") as executor:
             loading = executor.submit(_model_tokenizer_data, cfg, algorithm, clock)
             with clock.phase("ray"):
-                started_cluster = join_or_start_ray(cfg.cluster)
+                started_cluster = join_or_start_ray(cfg.cluster, cfg.policy.bridge, fork_server)
         model_dir, tokenizer, data = loading.result()  # bad data stops the run before any worker starts
         start_dir, warm_dir = model_dir, None
         if algorithm.warm_start is not None:

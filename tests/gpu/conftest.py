@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(items):
 def ray_cluster(make_cfg):
     """The loopback-only local cluster a run starts (rlkit/cluster/ray_runtime.py), 8 CPUs."""
     cfg, _ = make_cfg("cluster.num_cpus=8", "cluster.object_store_mb=8192")
-    join_or_start_ray(cfg.cluster)
+    join_or_start_ray(cfg.cluster, cfg.policy.bridge)
     yield
     ray.shutdown()
 

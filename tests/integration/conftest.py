@@ -49,7 +49,7 @@ def make_cfg(cache_dir, tmp_path_factory):
 def ray_cluster(make_cfg):
     """The loopback-only local cluster a run starts (rlkit/cluster/ray_runtime.py), 4 CPUs."""
     cfg, _ = make_cfg("cluster.num_cpus=4", "cluster.object_store_mb=512")
-    join_or_start_ray(cfg.cluster)
+    join_or_start_ray(cfg.cluster, cfg.policy.bridge)
     yield
     ray.shutdown()
 

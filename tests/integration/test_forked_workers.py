@@ -56,16 +56,16 @@ STARTS_BEFORE_THE_IMPORTS = textwrap.dedent("""\
     import ray
     from rlkit.cluster import fork_server, ray_runtime
     from rlkit.launch.config import load_config
-    fork_server.preload_here = lambda: ("held_import",)  # the server's imports, held until released
+    fork_server.preload_for = lambda bridge: ("held_import",)  # the server's imports, held until released
     def in_drivers_group(pid):
         try:
             return os.getpgid(pid) == os.getpgid(0)
         except ProcessLookupError:  # ended meanwhile
             return False
     cfg, _ = load_config("grpo_tiny_cpu", ["cluster.num_cpus=1", "cluster.object_store_mb=128"])
-    fork_server.start_ahead(cfg.cluster)  # as a command begins
+    server = fork_server.start_ahead(cfg.cluster, cfg.policy.bridge)  # as a command begins
     try:
-        assert ray_runtime.join_or_start_ray(cfg.cluster)
+        assert ray_runtime.join_or_start_ray(cfg.cluster, cfg.policy.bridge, server)
         print("started while the server imported:", not Path(os.environ["RELEASE"]).exists(), flush=True)
         Path(os.environ["RELEASE"]).touch()
         parent = ray.get(ray.remote(num_cpus=0)(lambda: os.getppid()).remote(), timeout=120)

@@ -60,7 +60,7 @@ def processes(node):
 cfg, _ = load_config("grpo_tiny_cpu", ["cluster.num_cpus=1", "cluster.object_store_mb=128"])
 start = time.monotonic()
 try:
-    assert join_or_start_ray(cfg.cluster)
+    assert join_or_start_ray(cfg.cluster, cfg.policy.bridge)
     start_s = time.monotonic() - start
     ray.get(ray.remote(lambda: 0).remote())  # a worker process, with a server of its own
     # the agents and workers open their ports while the node runs: wait until nothing changes for 3 s
@@ -87,7 +87,7 @@ from rlkit.launch.config import load_config
 cfg, _ = load_config("grpo_tiny_cpu", sys.argv[1:])
 start = time.monotonic()
 try:
-    join_or_start_ray(cfg.cluster)
+    join_or_start_ray(cfg.cluster, cfg.policy.bridge)
 except ConfigError as e:
     print(f"{time.monotonic() - start:.2f} {e}")
 """

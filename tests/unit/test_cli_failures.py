@@ -17,11 +17,11 @@ FAILURE = ("environment tool_env.Flaky: tool divide raised ZeroDivisionError: di
            "and count them (tools/*)")
 
 
-def fail_fast(*args):
+def fail_fast(*args, **kwargs):
     raise EnvironmentFailure(FAILURE)
 
 
-def signalled(*args):
+def signalled(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGTERM)  # as the start-up's handler has it: before the step loop's
     pytest.fail("the signal did not stop the run")
 

@@ -60,7 +60,7 @@ def test_local_cluster_output_to_a_file_is_plain(monkeypatch, token_log):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: authentication_token_setup._warn_token_auth_enabled())
     monkeypatch.setattr(worker, "_global_node", SimpleNamespace(kill_dashboard=lambda check_alive: None))
-    assert ray_runtime.join_or_start_ray(CLUSTER)
+    assert ray_runtime.join_or_start_ray(CLUSTER, "mbridge")
 
     assert token_log == []
     assert worker_line("hello") == "(f pid=1234) hello\n"
@@ -75,5 +75,5 @@ def test_a_colour_setting_of_the_users_own_is_kept(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: None)
     monkeypatch.setattr(worker, "_global_node", SimpleNamespace(kill_dashboard=lambda check_alive: None))
-    ray_runtime.join_or_start_ray(CLUSTER)
+    ray_runtime.join_or_start_ray(CLUSTER, "mbridge")
     assert "\x1b[" in worker_line("hello")

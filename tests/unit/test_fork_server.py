@@ -200,24 +200,24 @@ def test_a_command_starts_its_server_ahead_only_for_a_local_cluster(monkeypatch,
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     else:
         monkeypatch.setenv("RAY_ADDRESS", ray_address)
-    monkeypatch.setattr(fork_server, "preload_here", lambda: ("json",))
-    fork_server.start_ahead(ClusterConfig(address=address, fork_workers=fork_workers))
-    server = fork_server.take_started_ahead()
+    monkeypatch.setattr(fork_server, "preload_for", lambda bridge: ("json",))
+    server = fork_server.start_ahead(ClusterConfig(address=address, fork_workers=fork_workers), "mbridge")
     try:
         assert (server is not None) == started
-        assert fork_server.take_started_ahead() is None  # taken once
     finally:
         if server is not None:
             server.stop()
 
 
-@pytest.mark.parametrize("modules", ["PRELOAD", "GPU_PRELOAD"])
-def test_the_default_preload_is_fork_safe(modules):
-    """What every run's server imports (vLLM only where it is installed): no Ray, no Python thread,
-    no CUDA, every module that is installed imported, and not wandb (which megatron-core would
-    import), though a worker still can (one subprocess, about 5 s)."""
-    code = (f"import sys; from rlkit.cluster.fork_server import {modules}, preload; print(preload({modules})); "
-            f"print(','.join(m for m in {modules} if m.partition(':')[0] not in sys.modules)); "
+@pytest.mark.parametrize("modules, bridge", [("PRELOAD", "mbridge"), ("GPU_PRELOAD", "mbridge"),
+                                             ("PRELOAD", "megatron_bridge")])
+def test_the_default_preload_is_fork_safe(modules, bridge):
+    """What every run's server imports (vLLM only where it is installed), with policy.bridge's
+    library: no Ray, no Python thread, no CUDA, every module that is installed imported, and not
+    wandb (which megatron-core would import), though a worker still can (one subprocess, about 5 s)."""
+    code = (f"import sys; from rlkit.cluster.fork_server import {modules}, BRIDGE_PRELOAD, preload; "
+            f"names = tuple(BRIDGE_PRELOAD['{bridge}'] if m == '<bridge>' else m for m in {modules}); "
+            "print(preload(names)); print(','.join(m for m in names if m.partition(':')[0] not in sys.modules)); "
             "print('wandb' in sys.modules); import wandb")
     checked = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stderr[-2000:]
@@ -269,3 +269,9 @@ def test_a_client_that_dies_while_it_asks_leaves_the_server_serving(server, scri
         broken.close()
     status, out, _ = run_worker(server.socket, script, "exit", "0")
     assert status == 0 and json.loads(out)["ppid"] == server.process.pid
+
+
+def test_the_preload_follows_policy_bridge():
+    assert "mbridge" in fork_server.preload_for("mbridge")
+    assert fork_server.BRIDGE_PRELOAD["megatron_bridge"] in fork_server.preload_for("megatron_bridge")
+    assert "mbridge" not in fork_server.preload_for("megatron_bridge")
