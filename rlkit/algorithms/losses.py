@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from rlkit.config.choices import DPO_LOSS_TYPES, IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlkit.data.batch import BatchTotals
+from rlkit.observability.logprob_agreement import k3
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, totals: BatchTotals,
@@ -61,7 +62,7 @@ def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Ten
     the estimate to at most 10. Where a clamp binds the gradient is 0 (ref - lp = 4 gives 10, not
     49.6 with gradient -53.6), so one token far from the reference cannot dominate the step."""
     log_ratio = torch.clamp(reference_logprobs - logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
+    return torch.clamp(k3(log_ratio), -10.0, 10.0)
 
 
 def kl_estimate(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:

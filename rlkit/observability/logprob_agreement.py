@@ -13,11 +13,18 @@ def agreement_sums(train_logprobs: torch.Tensor, generation_logprobs: torch.Tens
             "exp_sum": diff.exp().sum().item()}
 
 
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(pi || ref) per sampled token, log_ratio = ref - pi's logprob:
+    exp(log_ratio) - log_ratio - 1, unbiased and >= 0 (http://joschu.net/blog/kl-approx.html)."""
+    return log_ratio.exp() - log_ratio - 1.0
+
+
 def reference_kl_sums(reference_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
     """Over masked tokens: count and sum of the k3 KL estimate of the policy (logprobs) to the
-    reference. Before the first update the two are the same model, so the sum is exactly 0."""
+    reference, unclamped (the loss clamps it: losses.kl_k3), so the metric shows how far the
+    policy went. Before the first update the two are the same model, so the sum is exactly 0."""
     log_ratio = (reference_logprobs - logprobs)[mask.bool()]
-    return {"tokens": log_ratio.numel(), "kl_sum": (log_ratio.exp() - log_ratio - 1.0).sum().item()}
+    return {"tokens": log_ratio.numel(), "kl_sum": k3(log_ratio).sum().item()}
 
 
 def reference_kl(shards: list[dict]) -> dict:
