@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import qwen3_checkpoint  # noqa: E402
+from common import model_checkpoint  # noqa: E402
 
 ENGINE = dict(gpu_memory_utilization=0.5, max_model_len=1024, enforce_eager=True, load_format="dummy",
               dtype="bfloat16", seed=0, logprobs_mode="processed_logprobs")
@@ -79,7 +79,7 @@ def main():
     import ray
     import torch
 
-    model_dir = str(qwen3_checkpoint(args.size, Path(args.checkpoints)))
+    model_dir = str(model_checkpoint(f"qwen3-{args.size}", Path(args.checkpoints)))
     g = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(0, 300, (args.prompts, args.prompt_len), generator=g).tolist()
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import broadcast_bandwidth, copy_bandwidth, qwen3_checkpoint  # noqa: E402
+from common import broadcast_bandwidth, copy_bandwidth, model_checkpoint  # noqa: E402
 from link import link_cap, token_env, two_local_nodes  # noqa: E402
 
 TRANSPORTS = {"cuda_ipc": ["cluster.placement=colocated", "refit=cuda_ipc"],
@@ -246,7 +246,7 @@ def main():
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
     rows = []
     for size in args.sizes.split(","):
-        model_dir = qwen3_checkpoint(size, Path(args.checkpoints))
+        model_dir = model_checkpoint(f"qwen3-{size}", Path(args.checkpoints))
         for transport in args.transports.split(","):
             if transport.startswith("nccl") and limits["broadcast_gbytes_per_s"] is None:
                 continue
