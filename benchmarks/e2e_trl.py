@@ -109,21 +109,17 @@ def rounds(begins: list[float], ends: list[float], timings: list[tuple[int, str,
     return steps
 
 
-def trl_prompts(w: Workload, recipe: str, model_dir: Path, prompts_jsonl: Path | None) -> list[dict]:
-    """rlkit's prompts for the recipe's data, as TRL conversational rows (the same messages, so the
-    same chat-templated ids: checked as for verl), with each row's answer for the reward."""
+def trl_prompts(w: Workload, recipe: str, model_dir: Path, prompts_jsonl: Path | None, work_dir: Path) -> list[dict]:
+    """rlkit's prompts for the recipe's data (prompts_jsonl, else the workload's, written to
+    work_dir), as TRL conversational rows (the same messages, so the same chat-templated ids:
+    checked as for verl), with each row's answer for the reward."""
     from e2e_verl import check_same_prompts, rlkit_prompts
+    from e2e_workload import prompt_data, write_prompts
 
-    from rlkit.data.arithmetic import synthetic_splits
-    from rlkit.data.files import write_jsonl
-    from rlkit.launch.config import load_config
     from rlkit.models.tokenizer import load_tokenizer
 
-    data = load_config(recipe, [f"policy.model_path={model_dir}"])[0].data
-    path = Path(prompts_jsonl or data.train_path)
-    if not path.is_file():
-        write_jsonl(path, synthetic_splits(data.synthetic)[0])
-    tokenizer = load_tokenizer(str(model_dir))
+    data, tokenizer = prompt_data(recipe, model_dir), load_tokenizer(str(model_dir))
+    path = Path(prompts_jsonl) if prompts_jsonl else write_prompts(work_dir / "prompts.jsonl", w, data, tokenizer)
     prompts = rlkit_prompts(path, data, w.max_prompt_tokens, tokenizer)
     check_same_prompts(prompts, tokenizer)
     return [{"prompt": p.messages, "answer": str(p.metadata["answer"])} for p in prompts]
@@ -136,7 +132,7 @@ def run_trl(w: Workload, model_dir: Path, work_dir: Path, timeout_s: int, recipe
     work_dir = Path(work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     prompts_json, result = work_dir / "trl_prompts.json", work_dir / "trl_raw.json"
-    prompts_json.write_text(json.dumps(trl_prompts(w, recipe, model_dir, prompts_jsonl)))
+    prompts_json.write_text(json.dumps(trl_prompts(w, recipe, model_dir, prompts_jsonl, work_dir)))
     command = [sys.executable, __file__, "--child", "--model", str(model_dir), "--work", str(work_dir),
                "--workload", json.dumps(dataclasses.asdict(w)), "--prompts-json", str(prompts_json),
                "--result", str(result)]
