@@ -66,6 +66,12 @@ def check(config, task_runner_class):
         "max_model_len": rollout.max_model_len, "rollout_n": rollout.n, "max_num_seqs": rollout.max_num_seqs,
         "max_num_batched_tokens": rollout.max_num_batched_tokens,
         "ppo_mini_batch_size": config.actor_rollout_ref.actor.ppo_mini_batch_size,
+        "strategy": config.actor_rollout_ref.actor.strategy, "n_gpus": config.trainer.n_gpus_per_node,
+        "rollout_tp": rollout.tensor_model_parallel_size, "use_remove_padding": model.use_remove_padding,
+        "gradient_checkpointing": model.enable_gradient_checkpointing,
+        "dynamic_bsz_tokens": [config.actor_rollout_ref.actor.use_dynamic_bsz,
+                               config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu,
+                               rollout.log_prob_max_token_len_per_gpu],
         "use_kl_loss": config.actor_rollout_ref.actor.use_kl_loss, "agent_workers": rollout.agent.num_workers,
         "ray_init": OmegaConf.to_container(config.ray_kwargs.ray_init), "reward_right_wrong": [right, wrong],
         "poll_interval_s": poll, "trainer": f"use_v1={config.trainer.use_v1} mode={config.trainer.v1.trainer_mode}"}))

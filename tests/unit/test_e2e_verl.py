@@ -24,7 +24,7 @@ from rlkit.models.tiny import build_tokenizer  # noqa: E402
 # numpy scalars included, then forwarded by Ray from the TaskRunnerV1 actor (colored prefix)
 VERL_LINE = (
     "step:3 - actor/pg_loss:-0.0123 - actor/pg_clipfrac:0.0021 - actor/ppo_kl:1.2e-05 - actor/grad_norm:0.84 - "
-    "actor/lr:1e-05 - perf/mfu/actor:0.031 - perf/max_memory_allocated_gb:6.42 - training/global_step:3 - "
+    "actor/lr:1e-05 - perf/mfu/actor:0.031 - actor/perf/max_memory_allocated_gb:6.42 - training/global_step:3 - "
     "training/epoch:0 - critic/score/mean:0.0625 - critic/advantages/mean:0.0 - response_length/mean:128.0 - "
     "response_length/clip_ratio:1.0 - prompt_length/mean:79.4 - num_turns/mean:np.float64(2.0) - "
     "num_turns/min:np.int32(2) - timing_s/gen:6.0412 - timing_s/old_log_prob:1.9873 - timing_s/adv:0.0311 - "
@@ -72,6 +72,11 @@ def test_a_missing_timer_is_named():
         e2e_verl.step_phases(metrics)
 
 
+def test_verls_throughput_mfu_and_memory_under_rlkits_names():
+    figures = e2e_verl.step_figures(e2e_verl.parse_step_line(VERL_LINE)[1])
+    assert figures == {"tokens_per_s_per_gpu": 8103.3, "timing/train_mfu": 0.031, "memory/policy_peak_gb": 6.42}
+
+
 def test_median_skips_the_warm_up_step():
     steps = [{"phases": {"step": s, "generate": s / 2}} for s in (90.0, 10.0, 14.0, 12.0)]
     assert e2e_verl.median_phases(steps) == {"step": 12.0, "generate": 6.0}
@@ -96,7 +101,7 @@ def workload(**changes) -> e2e_verl.Workload:
 
 
 def test_overrides_carry_the_workload(tmp_path):
-    overrides = e2e_verl.verl_overrides(workload(), tmp_path / "m", tmp_path / "d", tmp_path, agent_workers=1,
+    overrides = e2e_verl.verl_overrides(workload(), tmp_path / "m", tmp_path / "d", tmp_path, e2e_verl.VerlSetup(),
                                         poll_interval_s=None)
     args = dict(arg.split("=", 1) for arg in overrides)
     assert args["actor_rollout_ref.actor.ppo_mini_batch_size"] == "32"  # prompts: 256 samples / 8
@@ -107,7 +112,7 @@ def test_overrides_carry_the_workload(tmp_path):
 
 
 def test_kl_and_a_shorter_poll(tmp_path):
-    overrides = e2e_verl.verl_overrides(workload(kl_coef=0.01), tmp_path, tmp_path, tmp_path, agent_workers=2,
+    overrides = e2e_verl.verl_overrides(workload(kl_coef=0.01), tmp_path, tmp_path, tmp_path, e2e_verl.VerlSetup(),
                                         poll_interval_s=0.1)
     args = dict(arg.split("=", 1) for arg in overrides)
     assert args["actor_rollout_ref.actor.use_kl_loss"] == "true"
@@ -116,9 +121,63 @@ def test_kl_and_a_shorter_poll(tmp_path):
     assert args["trainer.v1.sampler.custom_sampler.path"].endswith("benchmarks/verl_poll.py")
 
 
+def verl_args(w: e2e_verl.Workload, setup: e2e_verl.VerlSetup, at: Path) -> dict:
+    return dict(arg.split("=", 1) for arg in e2e_verl.verl_overrides(w, at, at, at, setup, None))
+
+
+def test_tuned_as_verls_guide_says_on_four_gpus(tmp_path):
+    w = workload(response_tokens=1024, max_prompt_tokens=256, enforce_eager=False)
+    args = verl_args(w, e2e_verl.VerlSetup(gpus=4, rollout_tp=2), tmp_path)
+    assert args["trainer.n_gpus_per_node"] == "4"
+    assert args["actor_rollout_ref.rollout.tensor_model_parallel_size"] == "2"
+    assert args["actor_rollout_ref.actor.strategy"] == "fsdp2"
+    assert args["actor_rollout_ref.actor.use_dynamic_bsz"] == "true"
+    assert args["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] == "24576"
+    # forward-only passes at twice the training limit
+    assert args["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] == "49152"
+    assert args["actor_rollout_ref.model.enable_gradient_checkpointing"] == "true"
+    assert args["actor_rollout_ref.rollout.enforce_eager"] == "false"
+    # no flash-attn in verl's install: SDPA, and no packing through an explicit mask
+    assert args["actor_rollout_ref.model.use_remove_padding"] == "false"
+    assert args["+actor_rollout_ref.model.override_config.attn_implementation"] == "sdpa"
+
+
+def test_a_token_limit_under_two_sequences_is_raised_to_two(tmp_path):
+    args = verl_args(workload(response_tokens=3840, max_prompt_tokens=256),
+                     e2e_verl.VerlSetup(max_token_len_per_gpu=1000), tmp_path)
+    assert args["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] == str(2 * 4096)
+
+
+def test_with_flash_attn_verl_packs_with_its_own_attention(tmp_path):
+    args = verl_args(workload(), e2e_verl.VerlSetup(flash_attn=True), tmp_path)
+    assert args["actor_rollout_ref.model.use_remove_padding"] == "true"
+    assert "+actor_rollout_ref.model.override_config.attn_implementation" not in args
+    (tmp_path / "site" / "flash_attn").mkdir(parents=True)
+    assert not e2e_verl.flash_attn_installed(str(tmp_path / "site"))
+    (tmp_path / "site" / "flash_attn" / "__init__.py").write_text("")
+    assert e2e_verl.flash_attn_installed(str(tmp_path / "site"))
+
+
+def test_the_megatron_backend_sets_its_parallelism_for_actor_and_reference(tmp_path):
+    setup = e2e_verl.VerlSetup(gpus=4, backend="megatron", tp=2)
+    overrides = e2e_verl.verl_overrides(workload(), tmp_path, tmp_path, tmp_path, setup, None)
+    args = dict(arg.split("=", 1) for arg in overrides)
+    assert "model_engine=megatron" in overrides and "actor_rollout_ref.actor.strategy" not in args
+    assert args["actor_rollout_ref.actor.megatron.tensor_model_parallel_size"] == "2"
+    assert args["actor_rollout_ref.ref.megatron.tensor_model_parallel_size"] == "2"
+
+
+@pytest.mark.parametrize("setup, problem", [(dict(backend="deepspeed"), "--backend"),
+                                            (dict(gpus=4, rollout_tp=3), "--rollout-tp")])
+def test_a_setup_verl_cannot_run_is_named(tmp_path, setup, problem):
+    with pytest.raises(ValueError, match=problem):
+        e2e_verl.verl_overrides(workload(), tmp_path, tmp_path, tmp_path, e2e_verl.VerlSetup(**setup), None)
+
+
 def test_a_batch_that_splits_groups_fails_at_setup(tmp_path):
     with pytest.raises(ValueError, match="train_global_batch"):
-        e2e_verl.verl_overrides(workload(train_global_batch=100), tmp_path, tmp_path, tmp_path, 1, None)
+        e2e_verl.verl_overrides(workload(train_global_batch=100), tmp_path, tmp_path, tmp_path, e2e_verl.VerlSetup(),
+                                None)
 
 
 def test_verl_sees_only_its_own_install():
