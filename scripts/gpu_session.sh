@@ -18,6 +18,9 @@
 #     several groups at once (scripts/gpu_tests.py), in its own session: it runs on between calls; each wait brings its logs
 #   bash scripts/gpu_session.sh async <s> <k,...> [async_grpo.py args]    async GRPO: SmolLM2, disaggregated on 2 GPUs, per
 #     max_staleness (one per call: async 590 0 --timeout 570, then async 590 1 --timeout 570; results merge in /tmp/async_grpo.json)
+#   bash scripts/gpu_session.sh e2e-queue <label>...; e2e-wait <s>    named end-to-end runs of 4 GPUs (named_run below: 7B
+#     layouts, verl on the 7B, NeMo-RL's Llama-8B workload, MoE), one after the other in a session of their own that runs on
+#     between calls; each e2e-wait (calls back to back, < 30 s apart) waits up to s seconds and brings what has finished
 set -uo pipefail
 source /tmp/gpucarry/env.sh
 [ "${TE:-0}" = 1 ] && export PYTHONPATH=/tmp/site-te:${PYTHONPATH:-}
@@ -44,6 +47,49 @@ e2e_verl() {  # the driver runs in rlkit's environment; verl in a subprocess on 
     --work /tmp/e2e_verl --out "$OUT/e2e_verl.json" --timeout $(( $1 - 30 )) "${@:2}" 2>&1 | tee "$OUT/e2e_verl.log" | tail -3
   cp /tmp/e2e_verl/verl.log "$OUT/verl_run.log" 2>/dev/null
   cp "$OUT/e2e_verl.json" /tmp/e2e_verl.json 2>/dev/null  # for a later call's `e2e ... --compare /tmp/e2e_verl.json`
+}
+E2E=/tmp/e2e  # e2e-queue's runs: a folder each (result.json, logs), models in cache/, queue.txt says what ended how
+named_run() {  # named_run <label>: one run of the 4-GPU plan, its result and logs in $E2E/<label>
+  local dir=$E2E/$1
+  # the LM head in bf16 (with fp32 logits), as verl's is: rlkit's fp32 head halved the 1.7B shape's training MFU
+  local rlkit="python3 benchmarks/e2e.py --work-dir $dir --cache-dir $E2E/cache --out $dir/result.json --timeout 1700
+               --rlkit-overrides policy.fp32_lm_head=false"
+  # Qwen2.5-7B's shape, 64 prompts x 8 samples of exactly 256 + 1024 tokens, 2 optimizer steps a rollout
+  local qwen7b="--model qwen2.5-7b --max-prompt-tokens 256 --response-tokens 1024 --micro-batch-per-gpu 4 --steps 4"
+  # NeMo-RL's Llama-3.1-8B GRPO (grpo-llama3.1-8b-instruct-1n8g): 64 x 32 samples, 4096 tokens, global batch 512
+  local nemo8b="--model llama3.1-8b --prompts-per-step 64 --group-size 32 --max-prompt-tokens 256 --response-tokens 3840
+                --train-global-batch 512 --micro-batch-per-gpu 1 --steps 3"
+  local moe="--model qwen3-moe-16b-a3b --ep 4 --max-prompt-tokens 256 --response-tokens 1024 --micro-batch-per-gpu 4 --steps 4"
+  case "$1" in
+    7b-colocated) $rlkit $qwen7b --layout colocated ;;  # DP=4, an engine on each GPU
+    7b-colocated-tp2) $rlkit $qwen7b --layout colocated --tp 2 --engine-tp 2 ;;  # TP=2 x DP=2, two engines of 2 GPUs
+    7b-disaggregated) $rlkit $qwen7b --layout disaggregated --policy-gpus 2 --gpu-memory-utilization 0.85 ;;
+    7b-async) $rlkit $qwen7b --layout async --policy-gpus 2 --staleness 1 --gpu-memory-utilization 0.85 ;;
+    verl-7b) python3 benchmarks/e2e_verl.py --model qwen2.5-7b --cache-dir $E2E/cache --site /tmp/site-verl --work "$dir" \
+               --out "$dir/result.json" --timeout 1700 --max-prompt-tokens 256 --response-tokens 1024 --steps 4 \
+               --poll-interval 0.2 ;;  # FSDP2, 4 vLLM engines of 1 GPU, verl's tuning (e2e_verl.VerlSetup)
+    nemo-8b) $rlkit $nemo8b --layout colocated --gpu-memory-utilization 0.7 ;;
+    nemo-8b-async) $rlkit $nemo8b --layout async --policy-gpus 2 --staleness 1 --gpu-memory-utilization 0.85 ;;
+    moe) $rlkit $moe --layout colocated ;;  # Qwen3-30B-A3B with 64 experts, EP=4
+    moe-30b) $rlkit ${moe/qwen3-moe-16b-a3b/qwen3-30b-a3b} --layout colocated ;;  # refused by the memory estimate at once
+    *) echo "named_run: no run named $1"; return 2 ;;
+  esac
+}
+e2e_queue() {  # the named runs one after the other; what each ended with in $E2E/queue.txt
+  mkdir -p "$E2E"
+  for label in "$@"; do
+    named_run "$label" > "$E2E/$label.log" 2>&1
+    echo "$label rc=$? at $(date +%T): $(tail -1 "$E2E/$label.log" | cut -c1-300)" >> "$E2E/queue.txt"
+  done
+}
+e2e_wait() {  # until the queue ends or $1 seconds pass; then its state and every finished run's files into $OUT
+  local waited=0
+  while kill -0 "$(cat $E2E/queue.pid)" 2>/dev/null && [ $waited -lt "$1" ]; do sleep 5; waited=$((waited + 5)); done
+  cp "$E2E/queue.txt" "$OUT/e2e_queue.txt" 2>/dev/null; cat "$E2E/queue.txt" 2>/dev/null
+  tar -czf "$OUT/e2e_runs.tar.gz" -C "$E2E" --exclude=cache --exclude=prompts --exclude=data --exclude='prompts*.jsonl' \
+    --exclude=checkpoints --exclude=plots --exclude=tensorboard . 2>/dev/null
+  local latest; latest=$(ls -t $E2E/*/rlkit.log $E2E/*/verl.log 2>/dev/null | head -1)
+  kill -0 "$(cat $E2E/queue.pid)" 2>/dev/null && echo "e2e: still running: $latest" && tail -3 "$latest" | cut -c1-300
 }
 LORA16="policy.peft={type:lora,rank:16,alpha:32,dropout:0.0,target_modules:[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]}"
 bridge_run() {  # bridge_run <s> <label> <bridge> [overrides]: the SmolLM2 recipe, no checkpoints; metrics and log in $OUT
@@ -84,6 +130,10 @@ case "$1" in
   e2e-verl) smollm2; e2e_verl "${2:-480}" "${@:3}" ;;
   async) smollm2; timeout "$2" python3 benchmarks/async_grpo.py --staleness "$3" --out /tmp/async_grpo.json "${@:4}" \
            2>&1 | tee -a "$OUT/async_grpo.log" | tail -4; cp /tmp/async_grpo.json "$OUT/" 2>/dev/null ;;  # 2 GPUs; async <s> <k,...>
+  e2e-queue) mkdir -p $E2E; setsid bash "$0" e2e-run-queue "${@:2}" > $E2E/queue.log 2>&1 < /dev/null &
+             echo $! > $E2E/queue.pid; echo "e2e: queued ${*:2}" ;;  # e2e-queue <label>...: named_run labels
+  e2e-run-queue) e2e_queue "${@:2}" ;;
+  e2e-wait) e2e_wait "$2" ;;  # e2e-wait <s>
   tests) tests 560 ;;
   tests-start) mkdir -p /tmp/gpu_tests  # planned with the durations measured last (4x H200) unless --estimates says otherwise
                setsid python3 scripts/gpu_tests.py --log-dir /tmp/gpu_tests --until "$2" \
