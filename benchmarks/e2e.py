@@ -12,9 +12,9 @@ how much of the step is not generation, logprob or training compute.
 
 Models: smollm2 (rlkit pretrained smollm2-135m-instruct), tiny (grpo_tiny_cpu's), and the random
 checkpoints of benchmarks/common.py's MODELS (qwen2.5-7b, llama3.1-8b, qwen3-moe-16b-a3b, ...,
-tiny-qwen2 / tiny-llama / tiny-qwen3-moe for CPU), made once under --work-dir. Before a run on
+tiny-qwen2 / tiny-llama / tiny-qwen3-moe for CPU), made once in --cache-dir. Before a run on
 GPUs, what training the model holds per GPU is estimated (common.training_memory_gb); a layout
-whose weights, gradients and Adam state alone exceed one GPU's memory is refused there.
+whose weights, gradients, Adam state and a micro-batch's activations exceed one GPU is refused.
 
 The workload is the same on every side: the same model directory and prompts (rlkit's generated
 word problems, each padded with a fixed preamble to exactly --max-prompt-tokens tokens, read
@@ -140,8 +140,9 @@ def model_dir_for(name: str, cache_dir: Path) -> Path:
 
 def memory_estimate(name: str, w: Workload, layout: Layout, device_gb: float | None) -> dict | None:
     """What training holds per policy GPU (common.training_memory_gb) for the models of
-    common.MODELS. A layout whose weights, gradients and Adam state alone exceed device_gb (one
-    GPU's memory; None on CPU) stops here, before a checkpoint is written or a worker starts."""
+    common.MODELS. A layout whose weights, gradients, Adam state and one micro-batch's activations
+    exceed device_gb (one GPU's memory; None on CPU) stops here, before a checkpoint is written or
+    a worker starts."""
     from common import MODELS, model_config, training_memory_gb
 
     name = {"qwen3-1.7b": "qwen3-1.5b"}.get(name, name)
@@ -149,10 +150,12 @@ def memory_estimate(name: str, w: Workload, layout: Layout, device_gb: float | N
         return None
     estimate = training_memory_gb(model_config(name), layout.policy_ranks, layout.tp, layout.ep,
                                   w.micro_batch_per_gpu * (w.max_prompt_tokens + w.response_tokens))
-    if device_gb is not None and estimate["state"] > device_gb:
-        raise SystemExit(f"e2e: {name} on {layout.policy_ranks} policy GPUs (TP={layout.tp}, EP={layout.ep}) holds "
-                         f"{estimate['state']:.0f} GB per GPU of weights, gradients and Adam state, over one GPU's "
-                         f"{device_gb:.0f} GB; give the policy more GPUs, raise --tp / --ep, or take a smaller model")
+    if device_gb is not None and estimate["total"] > device_gb:
+        raise SystemExit(f"e2e: {name} on {layout.policy_ranks} policy GPUs (TP={layout.tp}, EP={layout.ep}) would hold "
+                         f"about {estimate['total']:.0f} GB per GPU ({estimate['state']:.0f} of weights, gradients and "
+                         f"Adam state, {estimate['activations']:.0f} of a micro-batch's activations), over one GPU's "
+                         f"{device_gb:.0f} GB; give the policy more GPUs, raise --tp / --ep, lower "
+                         f"--micro-batch-per-gpu, or take a smaller model")
     return {**estimate, "device": device_gb}
 
 

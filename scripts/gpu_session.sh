@@ -52,13 +52,16 @@ E2E=/tmp/e2e  # e2e-queue's runs: a folder each (result.json, logs), models in c
 named_run() {  # named_run <label>: one run of the 4-GPU plan, its result and logs in $E2E/<label>
   local dir=$E2E/$1
   # the LM head in bf16 (with fp32 logits), as verl's is: rlkit's fp32 head halved the 1.7B shape's training MFU
-  local rlkit="python3 benchmarks/e2e.py --work-dir $dir --cache-dir $E2E/cache --out $dir/result.json --timeout 1700
+  local rlkit="python3 benchmarks/e2e.py --work-dir $dir --cache-dir $E2E/cache --out $dir/result.json --timeout 900
                --rlkit-overrides policy.fp32_lm_head=false"
   # Qwen2.5-7B's shape, 64 prompts x 8 samples of exactly 256 + 1024 tokens, 2 optimizer steps a rollout
   local qwen7b="--model qwen2.5-7b --max-prompt-tokens 256 --response-tokens 1024 --micro-batch-per-gpu 4 --steps 4"
-  # NeMo-RL's Llama-3.1-8B GRPO (grpo-llama3.1-8b-instruct-1n8g): 64 x 32 samples, 4096 tokens, global batch 512
-  local nemo8b="--model llama3.1-8b --prompts-per-step 64 --group-size 32 --max-prompt-tokens 256 --response-tokens 3840
-                --train-global-batch 512 --micro-batch-per-gpu 1 --steps 3"
+  # NeMo-RL's Llama-3.1-8B GRPO (grpo-llama3.1-8b-instruct-1n8g): 64 x 32 samples of up to 4096 tokens, global batch
+  # 512; a step of 4096 tokens is about 10 minutes on 4 GPUs by estimate: a lease holds start-up and two steps,
+  # stopped (steps reported) before the machine goes back; the 2048-token variant holds three
+  local nemo8b="--model llama3.1-8b --prompts-per-step 64 --group-size 32 --max-prompt-tokens 256
+                --train-global-batch 512 --micro-batch-per-gpu 1"
+  local nemo4k="$nemo8b --response-tokens 3840 --steps 3 --timeout 1380" nemo2k="$nemo8b --response-tokens 1792 --steps 4"
   local moe="--model qwen3-moe-16b-a3b --ep 4 --max-prompt-tokens 256 --response-tokens 1024 --micro-batch-per-gpu 4 --steps 4"
   case "$1" in
     7b-colocated) $rlkit $qwen7b --layout colocated ;;  # DP=4, an engine on each GPU
@@ -66,10 +69,12 @@ named_run() {  # named_run <label>: one run of the 4-GPU plan, its result and lo
     7b-disaggregated) $rlkit $qwen7b --layout disaggregated --policy-gpus 2 --gpu-memory-utilization 0.85 ;;
     7b-async) $rlkit $qwen7b --layout async --policy-gpus 2 --staleness 1 --gpu-memory-utilization 0.85 ;;
     verl-7b) python3 benchmarks/e2e_verl.py --model qwen2.5-7b --cache-dir $E2E/cache --site /tmp/site-verl --work "$dir" \
-               --out "$dir/result.json" --timeout 1700 --max-prompt-tokens 256 --response-tokens 1024 --steps 4 \
+               --out "$dir/result.json" --timeout 1200 --max-prompt-tokens 256 --response-tokens 1024 --steps 4 \
                --poll-interval 0.2 ;;  # FSDP2, 4 vLLM engines of 1 GPU, verl's tuning (e2e_verl.VerlSetup)
-    nemo-8b) $rlkit $nemo8b --layout colocated --gpu-memory-utilization 0.7 ;;
-    nemo-8b-async) $rlkit $nemo8b --layout async --policy-gpus 2 --staleness 1 --gpu-memory-utilization 0.85 ;;
+    nemo-8b) $rlkit $nemo4k --layout colocated --gpu-memory-utilization 0.7 ;;
+    nemo-8b-async) $rlkit $nemo4k --layout async --policy-gpus 2 --staleness 1 --gpu-memory-utilization 0.85 ;;
+    nemo-8b-2k) $rlkit $nemo2k --layout colocated --gpu-memory-utilization 0.7 ;;
+    nemo-8b-2k-async) $rlkit $nemo2k --layout async --policy-gpus 2 --staleness 1 --gpu-memory-utilization 0.85 ;;
     moe) $rlkit $moe --layout colocated ;;  # Qwen3-30B-A3B with 64 experts, EP=4
     moe-30b) $rlkit ${moe/qwen3-moe-16b-a3b/qwen3-30b-a3b} --layout colocated ;;  # refused by the memory estimate at once
     *) echo "named_run: no run named $1"; return 2 ;;

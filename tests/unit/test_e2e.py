@@ -146,12 +146,15 @@ def test_qwen3_30b_a3b_does_not_fit_four_h200s_and_its_half_the_experts_variant_
     assert dense["adam"] == pytest.approx(12 * 7.62 / 4, abs=0.1) and dense["params"] == pytest.approx(7.62, abs=0.1)
 
 
-def test_a_layout_whose_state_exceeds_a_gpu_stops_before_anything_starts():
+def test_a_layout_that_would_not_fit_a_gpu_stops_before_anything_starts():
     from e2e_workload import Layout, Workload
 
-    w = Workload(response_tokens=1024, micro_batch_per_gpu=1)
-    with pytest.raises(SystemExit, match="qwen3-30b-a3b on 2 policy GPUs .* over one GPU's 151 GB"):
-        e2e.memory_estimate("qwen3-30b-a3b", w, Layout("colocated", gpus=2, ep=2), device_gb=150.8)
+    w = Workload(response_tokens=1024, micro_batch_per_gpu=4)
+    with pytest.raises(SystemExit, match=r"qwen3-30b-a3b on 4 policy GPUs \(TP=1, EP=4\) would hold about 174 GB per "
+                                         r"GPU \(144 of weights.*over one GPU's 151 GB"):
+        e2e.memory_estimate("qwen3-30b-a3b", w, Layout("colocated", gpus=4, ep=4), device_gb=150.8)
+    fits = e2e.memory_estimate("qwen3-moe-16b-a3b", w, Layout("colocated", gpus=4, ep=4), device_gb=150.8)
+    assert fits["total"] < fits["device"] == 150.8
     assert e2e.memory_estimate("qwen3-30b-a3b", w, Layout("colocated", gpus=4, ep=4), device_gb=None)["state"] > 144
     assert e2e.memory_estimate("smollm2", w, Layout(), device_gb=150.8) is None
 
