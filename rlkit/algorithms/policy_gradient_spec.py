@@ -11,7 +11,7 @@ from omegaconf import MISSING
 from rlkit.algorithms.registry import POLICY_LOSSES, AlgorithmConfig, AlgorithmSpec, Lazy, own_policy_loss
 from rlkit.algorithms.warm_start import validate_warm_start
 from rlkit.config.choices import IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
-from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig
+from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig, check_choice, check_positive
 
 if TYPE_CHECKING:
     import torch
@@ -50,16 +50,12 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
     """The family's checks; min_group_size 2 for estimators that compare a prompt's samples."""
     p, g, a = cfg.policy, cfg.generation, cfg.algorithm
     # first: the checks below compute with these (the response budget from max_new_tokens)
-    for key, value in [("generation.num_workers", g.num_workers), ("algorithm.prompts_per_step", a.prompts_per_step),
-                       ("generation.max_new_tokens", g.max_new_tokens)]:
-        if value < 1:
-            raise ConfigError(f"{key}: must be >= 1 (got: {value}); set a positive value")
-    for key, value, choices in [("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS),
-                                ("algorithm.importance_ratio", a.importance_ratio, IMPORTANCE_RATIOS),
-                                ("algorithm.kl_estimator", a.kl_estimator, (None, *KL_ESTIMATORS)),
-                                ("algorithm.off_policy_correction", a.off_policy_correction, OFF_POLICY_CORRECTIONS)]:
-        if value not in choices:
-            raise ConfigError(f"{key}: must be one of {list(choices)} (got: {value!r}); pick one of those")
+    check_positive(("generation.num_workers", g.num_workers), ("algorithm.prompts_per_step", a.prompts_per_step),
+                   ("generation.max_new_tokens", g.max_new_tokens))
+    check_choice("algorithm.loss_aggregation", a.loss_aggregation, LOSS_AGGREGATIONS)
+    check_choice("algorithm.importance_ratio", a.importance_ratio, IMPORTANCE_RATIOS)
+    check_choice("algorithm.kl_estimator", a.kl_estimator, (None, *KL_ESTIMATORS))
+    check_choice("algorithm.off_policy_correction", a.off_policy_correction, OFF_POLICY_CORRECTIONS)
     if a.policy_loss not in POLICY_LOSSES:
         own_policy_loss(a.policy_loss)
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:

@@ -28,6 +28,18 @@ def check_finite(section: str, config) -> None:
                               f"recipe's value (rlkit train --config-name <recipe> --cfg job shows it)")
 
 
+def check_choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: must be one of {list(choices)} (got: {value!r}); pick one of those")
+
+
+def check_positive(*counts: tuple[str, int]) -> None:
+    """(key, count): each >= 1."""
+    for key, count in counts:
+        if count < 1:
+            raise ConfigError(f"{key}: must be >= 1 (got: {count}); set a positive value")
+
+
 def check_seconds(*durations: tuple[str, float, float]) -> None:
     """(key, seconds, a usual value): each a finite number of seconds > 0. A negative or zero one
     was accepted and ended the wait at once, nan never ended it, inf overflows a timer."""
