@@ -4,7 +4,7 @@ the rates an uninterrupted one would (the step is in the checkpoint, the schedul
 import math
 from dataclasses import dataclass
 
-from rlkit.config.schema import ConfigError
+from rlkit.config.schema import ConfigError, OptimizerConfig, check_choice
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -14,6 +14,16 @@ def check_learning_rate(key: str, lr: float, example: str) -> None:
     nan or inf makes every weight nan at the first step."""
     if not 0 < lr < math.inf:
         raise ConfigError(f"{key}: must be a finite number > 0 (got: {lr}); e.g. {example}")
+
+
+def check_schedule(o: OptimizerConfig) -> None:
+    """policy.optimizer's rate and its schedule."""
+    check_choice("policy.optimizer.lr_schedule", o.lr_schedule, SCHEDULES)
+    check_learning_rate("policy.optimizer.lr", o.lr, "1e-6")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"policy.optimizer.warmup_steps: must be >= 0 (got: {o.warmup_steps}); 0 for no warmup")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"policy.optimizer.min_lr_ratio: must lie in [0, 1] (got: {o.min_lr_ratio}); e.g. 0.1")
 
 
 @dataclass(frozen=True)

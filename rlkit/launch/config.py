@@ -8,7 +8,6 @@ included): the CLI's help texts and config errors come from here, in well under 
 (benchmarks/cli_latency.py; tests/unit/test_cli_startup.py holds it to that)."""
 
 import difflib
-import importlib.util
 import json
 import os
 import re
@@ -22,24 +21,23 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from rlkit.algorithms.lr_schedule import SCHEDULES, check_learning_rate
+from rlkit.algorithms.lr_schedule import check_schedule
 from rlkit.algorithms.registry import load_algorithm
 from rlkit.bridge.base import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports, check_transformer_engine_layout
 from rlkit.bridge.adapters import check_init_from, check_peft
-from rlkit.checkpoint import named_checkpoint
+from rlkit.checkpoint.rules import check_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.config.choices import BROADCAST_GROUPS, FLOWS, OFFLOAD_MODES, PEFT_MODES, TOOL_PROMPTS
-from rlkit.config.schema import (DATASETS, ConfigError, FileDataConfig, PolicyConfig, PromptDataConfig, RootConfig,
-                                 check_finite)
-from rlkit.envs.base import check_environment_config
+from rlkit.config.choices import OFFLOAD_MODES
+from rlkit.config.schema import (DATASETS, ConfigError, PolicyConfig, RootConfig, check_choice, check_finite,
+                                 check_positive)
+from rlkit.data.rules import check_data
+from rlkit.envs.rules import check_env_runner, check_environment
 from rlkit.launch.preflight import check_config
 from rlkit.models.tiny import ARCHITECTURES, TINY_EXPERTS, TINY_HEADS, parse_tiny
 from rlkit.refit.transport import check_refit
+from rlkit.workers.generation.rules import check_generation
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# data.name -> config groups of that kind, for error messages
-DATA_GROUPS = {"prompts": "data=arithmetic, gsm8k, math, word_problems or prompt_files",
-               "sft_files": "data=arithmetic_sft", "preference_files": "data=arithmetic_preferences"}
 CONFIG_GROUPS_DIR = REPO_ROOT / "configs"
 RECIPES_DIR = REPO_ROOT / "recipes"
 
@@ -165,11 +163,6 @@ def to_typed(cfg: DictConfig) -> RootConfig:
         raise ConfigError(f"{getattr(e, 'full_key', '?')}: {str(e).splitlines()[0]}") from None
 
 
-def _choice(key: str, value, choices):
-    if value not in choices:
-        raise ConfigError(f"{key}: must be one of {list(choices)} (got: {value!r}); pick one of those")
-
-
 class ModelShape(NamedTuple):
     """What the parallel layout must divide: attention heads, key/value heads, routed experts (0: dense),
     transformer layers (0: config.json does not say); and the hidden size LoRA's rank stays below (0: unknown)."""
@@ -201,34 +194,23 @@ def _model_shape(model_path: str, tiny_layers: int, tiny_hidden: int = 0) -> Mod
                           f"point policy.model_path at a complete HF checkpoint directory") from None
 
 
-def _positive(*pairs):
-    for key, value in pairs:
-        if value < 1:
-            raise ConfigError(f"{key}: must be >= 1 (got: {value}); set a positive value")
-
-
 def validate(cfg: RootConfig) -> None:
     """Cross-key checks: what every run needs, what rollouts need, then the algorithm's own."""
     p, a = cfg.policy, cfg.algorithm
     algorithm = load_algorithm(a.name)
-    _choice("cluster.placement", cfg.cluster.placement, PLACEMENTS)
-    _choice("policy.precision", p.precision, ("fp32", "bf16"))
-    _choice("policy.attention_backend", p.attention_backend, ATTENTION_BACKENDS)
-    _choice("policy.bridge", p.bridge, BRIDGES)
+    check_choice("cluster.placement", cfg.cluster.placement, PLACEMENTS)
+    check_choice("policy.precision", p.precision, ("fp32", "bf16"))
+    check_choice("policy.attention_backend", p.attention_backend, ATTENTION_BACKENDS)
+    check_choice("policy.bridge", p.bridge, BRIDGES)
     if algorithm.rollouts:
-        _validate_rollout_choices(cfg)
-    if cfg.data.name != algorithm.data:
-        raise ConfigError(f"data.name: algorithm {a.name} trains on data of kind {algorithm.data!r} (got: "
-                          f"{cfg.data.name!r}); select a group of that kind: {DATA_GROUPS[algorithm.data]}")
-    if cfg.data.name == "prompts":
-        _validate_prompts(cfg.data)
-    if cfg.data.synthetic is not None:
-        _validate_synthetic(cfg.data)
+        _check_rollout_sections(cfg)
+        check_env_runner(cfg.env_runner)  # before the algorithm's checks, which compute the response budget from it
+    check_data(cfg.data, a.name, algorithm.data)
     arch = parse_tiny(p.model_path)
     if p.model_path.startswith("tiny://") and arch not in ARCHITECTURES:
         raise ConfigError(f"policy.model_path: tiny model '{p.model_path}' is unknown; use one of "
                           f"{['tiny://' + x for x in ARCHITECTURES]}")
-    _positive(("policy.num_workers", p.num_workers), ("policy.tensor_parallel_size", p.tensor_parallel_size),
+    check_positive(("policy.num_workers", p.num_workers), ("policy.tensor_parallel_size", p.tensor_parallel_size),
               ("policy.pipeline_parallel_size", p.pipeline_parallel_size),
               ("policy.virtual_pipeline_parallel_size", p.virtual_pipeline_parallel_size),
               ("policy.context_parallel_size", p.context_parallel_size),
@@ -242,17 +224,11 @@ def validate(cfg: RootConfig) -> None:
         raise ConfigError(f"policy.num_workers: must be a multiple of policy.tensor_parallel_size x "
                           f"policy.context_parallel_size x policy.pipeline_parallel_size = {model_parallel} "
                           f"(got: {p.num_workers}); set it to a multiple of {model_parallel}")
-    _choice("policy.offload", p.offload, OFFLOAD_MODES)
+    check_choice("policy.offload", p.offload, OFFLOAD_MODES)
     if p.max_tokens_per_microbatch < 0:
         raise ConfigError(f"policy.max_tokens_per_microbatch: must be >= 0 (got: {p.max_tokens_per_microbatch}); "
                           f"0 turns the token budget off")
-    o = p.optimizer
-    _choice("policy.optimizer.lr_schedule", o.lr_schedule, SCHEDULES)
-    check_learning_rate("policy.optimizer.lr", o.lr, "1e-6")
-    if o.warmup_steps < 0:
-        raise ConfigError(f"policy.optimizer.warmup_steps: must be >= 0 (got: {o.warmup_steps}); 0 for no warmup")
-    if not 0 <= o.min_lr_ratio <= 1:
-        raise ConfigError(f"policy.optimizer.min_lr_ratio: must lie in [0, 1] (got: {o.min_lr_ratio}); e.g. 0.1")
+    check_schedule(p.optimizer)
     dp = p.num_workers // model_parallel
     if p.train_global_batch_size % (dp * p.micro_batch_size):
         raise ConfigError(f"policy.train_global_batch_size: must be divisible by DP ({dp}) x "
@@ -274,33 +250,25 @@ def validate(cfg: RootConfig) -> None:
     check_peft(p.peft, p.bridge, shape.hidden)
     check_init_from(p.peft)
     if algorithm.rollouts:
-        _validate_vllm(cfg)
+        check_generation(cfg.generation, shape.heads)
         check_refit(cfg)
-        _validate_adapter_refit(cfg)
-    _choice("checkpoint.save_format", cfg.checkpoint.save_format, ("dist", "hf"))
-    if cfg.checkpoint.save_format == "hf" and p.use_distributed_optimizer:
-        raise ConfigError("checkpoint.save_format: hf keeps per-rank optimizer state, which the distributed optimizer "
-                          "does not expose that way, so a resume would restore stale weights; use "
-                          "checkpoint.save_format=dist (or policy.use_distributed_optimizer=false)")
-    if cfg.checkpoint.save_format == "hf" and p.peft is not None:
-        raise ConfigError("checkpoint.save_format: hf saves the policy with its adapters merged into the weights, "
-                          "which a resume would load as the base under the adapters again; use "
-                          "checkpoint.save_format=dist with policy.peft")
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
-        raise ConfigError(f"checkpoint.every / checkpoint.keep_last: must be >= 0 (got: {cfg.checkpoint.every}, "
-                          f"{cfg.checkpoint.keep_last}); 0 means only at the end / keep all")
     cfg.cluster.check_timeouts()
-    cfg.checkpoint.check_timeouts()
-    if cfg.checkpoint.resume not in ("auto", "none"):
-        named_checkpoint(cfg.checkpoint.resume)
+    check_checkpoint(cfg)
     if algorithm.rollouts:
-        _validate_environment(cfg)
+        check_environment(cfg.env)
     # last: the only checks that touch the disk, so a config with other mistakes creates no directories
     for key, path in [("run.output_dir", cfg.run.output_dir), ("run.cache_dir", cfg.run.cache_dir),
                       ("checkpoint.dir", cfg.checkpoint.dir)]:
         if path is not None:
             _writable_dir(key, path)
     check_config(cfg)  # that the run can do something at all (rlkit/launch/preflight.py)
+
+
+def _check_rollout_sections(cfg: RootConfig) -> None:
+    for section in ("generation", "refit", "env", "env_runner"):
+        if getattr(cfg, section) is None:
+            raise ConfigError(f"{section}: algorithm {cfg.algorithm.name} generates rollouts and needs this "
+                              f"section; add /{section} to the recipe's defaults (see recipes/grpo_tiny_cpu.yaml)")
 
 
 def _validate_expert_parallel(p: PolicyConfig, dp: int, experts: int) -> None:
@@ -393,36 +361,6 @@ def _validate_context_parallel(p: PolicyConfig, experts: int) -> None:
                           f"train with context parallelism yet (got: {cp}); set policy.context_parallel_size=1")
 
 
-def _validate_prompts(d: PromptDataConfig) -> None:
-    try:
-        d.prompt_format.format(prompt="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise ConfigError(f"data.prompt_format: must be a template with {{prompt}} and no other fields (got: "
-                          f"{d.prompt_format!r}: {type(e).__name__} {e}); write literal braces as {{{{ }}}}") from None
-    if "{prompt}" not in d.prompt_format:
-        raise ConfigError(f"data.prompt_format: must contain {{prompt}} (got: {d.prompt_format!r})")
-    if d.system_prompt is not None and not d.chat_template:
-        raise ConfigError("data.system_prompt: needs data.chat_template=true (raw prompts have no system turn); "
-                          "set data.system_prompt=null or data.chat_template=true")
-    _positive(("data.max_prompt_tokens", d.max_prompt_tokens), *([("data.val_size", d.val_size)] if d.val_size else []))
-    _choice("data.tool_prompt", d.tool_prompt, TOOL_PROMPTS)
-    if d.val_size == 0:
-        raise ConfigError("data.val_size: must be >= 1 or null (all rows) (got: 0); to skip validation set "
-                          "data.val_path=null")
-
-
-def _validate_synthetic(d: PromptDataConfig | FileDataConfig) -> None:
-    """data.synthetic: the sizes. The generator's own checks (kind, operations, enough distinct
-    problems for the sizes) run when preflight generates the set to check where it goes."""
-    s = d.synthetic
-    _positive(("data.synthetic.train_size", s.train_size), ("data.synthetic.max_operand", s.max_operand))
-    if s.val_size < 0:
-        raise ConfigError(f"data.synthetic.val_size: must be >= 0 (got: {s.val_size}); set a count of problems")
-    if s.val_size == 0 and d.val_path is not None:
-        raise ConfigError("data.synthetic.val_size: must be >= 1 while data.val_path is set (got: 0); to skip "
-                          "validation set data.val_path=null")
-
-
 def _writable_dir(key: str, path: str) -> None:
     """The directory exists or can be made, and can be written: a path under a file, a file where
     the directory should be, or a read-only place fails here, not when the run first writes there
@@ -437,69 +375,6 @@ def _writable_dir(key: str, path: str) -> None:
     except OSError as e:
         raise ConfigError(f"{key}: cannot create or write to the directory {path} ({e.strerror}: {existing}); "
                           f"give a directory rlkit can create and write to") from None
-
-
-def _validate_rollout_choices(cfg: RootConfig) -> None:
-    for section in ("generation", "refit", "env", "env_runner"):
-        if getattr(cfg, section) is None:
-            raise ConfigError(f"{section}: algorithm {cfg.algorithm.name} generates rollouts and needs this "
-                              f"section; add /{section} to the recipe's defaults (see recipes/grpo_tiny_cpu.yaml)")
-    _choice("generation.precision", cfg.generation.precision, ("fp32", "bf16"))
-    _choice("generation.backend", cfg.generation.backend, ("hf", "vllm"))
-    _choice("refit.channel_host", cfg.refit.channel_host, ("loopback", "node_ip"))
-    _choice("refit.peft", cfg.refit.peft, PEFT_MODES)
-    _choice("refit.broadcast_groups", cfg.refit.broadcast_groups, BROADCAST_GROUPS)
-    r = cfg.env_runner  # before the algorithm's checks, which compute the response budget from these
-    _positive(("env_runner.num_workers", r.num_workers), ("env_runner.max_turns", r.max_turns),
-              ("env_runner.max_total_tokens", r.max_total_tokens))
-    _choice("env_runner.flow", r.flow, FLOWS)
-    if r.max_tool_seconds < 0:
-        raise ConfigError(f"env_runner.max_tool_seconds: must be >= 0 (got: {r.max_tool_seconds}); give seconds, "
-                          f"or 0 for no limit")
-
-
-def _validate_engine_parallel(cfg: RootConfig) -> None:
-    """A vLLM engine of several GPUs splits the model's heads as the policy's TP does."""
-    tp = cfg.generation.vllm.tensor_parallel_size
-    _positive(("generation.vllm.tensor_parallel_size", tp))
-    heads = _model_shape(cfg.policy.model_path, cfg.policy.tiny_model.num_layers).heads
-    if heads % tp:
-        raise ConfigError(f"generation.vllm.tensor_parallel_size: must divide the model's {heads} attention heads "
-                          f"(got: {tp}); pick a divisor of {heads}")
-
-
-def _validate_vllm(cfg: RootConfig) -> None:
-    if cfg.generation.backend != "vllm":
-        return
-    if cfg.generation.vllm is None:
-        raise ConfigError("generation.vllm: the vllm backend needs engine settings; use generation=vllm")
-    _validate_engine_parallel(cfg)
-
-
-def _validate_adapter_refit(cfg: RootConfig) -> None:
-    """refit.peft=adapter moves policy.peft's adapters, which the HF workers apply with HF peft."""
-    if cfg.refit.peft != "adapter":
-        return
-    if cfg.policy.peft is None:
-        raise ConfigError("refit.peft: adapter sends the policy's LoRA adapters alone, and policy.peft is null (the "
-                          "policy trains every weight); set refit.peft=merged, or set policy.peft (README \"LoRA\")")
-    if cfg.generation.backend == "hf" and importlib.util.find_spec("peft") is None:
-        raise ConfigError("refit.peft: adapter on generation.backend=hf applies the adapters with HF peft, which is "
-                          "not installed; pip install 'peft>=0.18,<0.19', or set refit.peft=merged")
-
-
-def _validate_environment(cfg: RootConfig) -> None:
-    if "_target_" not in cfg.env:
-        raise ConfigError("env._target_: no environment set; give an importable Environment class or scoring "
-                          "function, e.g. env._target_=rlkit.envs.arithmetic.ArithmeticEnv")
-    problem = check_environment_config(cfg.env["_target_"], {k: v for k, v in cfg.env.items() if k != "_target_"})
-    if problem:
-        raise ConfigError(problem)
-    r = cfg.env_runner
-    if r.timeout_s <= 0:
-        raise ConfigError(f"env_runner.timeout_s: must be > 0 (got: {r.timeout_s}); set a positive number of seconds")
-    if "{observation}" not in r.observation_format:
-        raise ConfigError(f"env_runner.observation_format: must contain {{observation}} (got: {r.observation_format!r})")
 
 
 def load_config(name: str, overrides: list[str], recipes_dir: Path = RECIPES_DIR) -> tuple[RootConfig, DictConfig]:

@@ -16,11 +16,13 @@ Loading a config reads this module, so it imports neither torch nor Ray: the bui
 halves with Lazy.
 """
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from rlkit.config.choices import BROADCAST_GROUPS, PEFT_MODES
 from rlkit.config.named import Lazy, named_attribute
-from rlkit.config.schema import ConfigError, RootConfig
+from rlkit.config.schema import ConfigError, RootConfig, check_choice
 
 
 class SendingHalf(Protocol):
@@ -172,8 +174,11 @@ def transport_spec(name: str) -> TransportSpec:
 
 def check_refit(cfg: RootConfig) -> None:
     """refit.*, before any worker starts: the transport's own rules (its spec's check), then those
-    every transport shares."""
+    every transport shares, then refit.peft's."""
     r = cfg.refit
+    check_choice("refit.channel_host", r.channel_host, ("loopback", "node_ip"))
+    check_choice("refit.peft", r.peft, PEFT_MODES)
+    check_choice("refit.broadcast_groups", r.broadcast_groups, BROADCAST_GROUPS)
     spec = transport_spec(r.transport)
     spec.check(cfg)
     if r.bucket_mb <= 0:
@@ -183,3 +188,15 @@ def check_refit(cfg: RootConfig) -> None:
     if r.delta and r.peft == "adapter":
         raise ConfigError("refit.delta: refit.peft=adapter moves the LoRA adapters alone, never the weights' "
                           "buckets; set refit.delta=false, or refit.peft=merged")
+    if r.peft == "adapter":
+        _check_adapter_refit(cfg)
+
+
+def _check_adapter_refit(cfg: RootConfig) -> None:
+    """refit.peft=adapter moves policy.peft's adapters, which the HF workers apply with HF peft."""
+    if cfg.policy.peft is None:
+        raise ConfigError("refit.peft: adapter sends the policy's LoRA adapters alone, and policy.peft is null (the "
+                          "policy trains every weight); set refit.peft=merged, or set policy.peft (README \"LoRA\")")
+    if cfg.generation.backend == "hf" and importlib.util.find_spec("peft") is None:
+        raise ConfigError("refit.peft: adapter on generation.backend=hf applies the adapters with HF peft, which is "
+                          "not installed; pip install 'peft>=0.18,<0.19', or set refit.peft=merged")
