@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Iterator
 from rlkit.checkpoint import WrittenFiles
 from rlkit.algorithms.lr_schedule import LearningRateSchedule, schedule_of
 from rlkit.algorithms.registry import AlgorithmConfig, AlgorithmSpec
+from rlkit.bridge.base import check_transformer_engine_packing
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.sft import load_tokenized_splits, tokenize_sft_row
 
@@ -32,6 +33,12 @@ def load_examples(cfg: RootConfig, tokenizer) -> "TrainingData":
 def validate_file_data(cfg: RootConfig, dp: int) -> None:
     if cfg.data.max_length < 1:
         raise ConfigError(f"data.max_length: must be >= 1 (got: {cfg.data.max_length}); set a positive value")
+
+
+def validate(cfg: RootConfig, dp: int) -> None:
+    validate_file_data(cfg, dp)
+    if cfg.data.pack:
+        check_transformer_engine_packing("data.pack", "data.pack=false")
 
 
 class SFT:
@@ -97,4 +104,4 @@ class SFT:
 
 
 ALGORITHM = AlgorithmSpec(name="sft", config=SFTConfig, data="sft_files", load_data=load_examples,
-                          trainer=SFT.from_context, validate=validate_file_data)
+                          trainer=SFT.from_context, validate=validate)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from rlkit.algorithms.lr_schedule import check_learning_rate
+from rlkit.bridge.base import check_transformer_engine_packing
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.stream import ShuffledStream
 from rlkit.models.cache_entry import publish
@@ -94,6 +95,8 @@ def validate_warm_start(cfg: RootConfig, dp: int) -> None:
         raise ConfigError(f"algorithm.warm_start.batch_size: must be divisible by DP ({dp}) x "
                           f"policy.micro_batch_size ({p.micro_batch_size}) (got: {w.batch_size}); "
                           f"set it to a multiple of {dp * p.micro_batch_size}")
+    if w.sft_steps > 0:  # the warm start's SFT packs its examples
+        check_transformer_engine_packing("algorithm.warm_start.sft_steps", "algorithm.warm_start.sft_steps=0")
 
 
 def warm_start_dir(cfg: RootConfig, model_dir: Path, resume_from: Path | None, uses_reference: bool,

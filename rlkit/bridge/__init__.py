@@ -8,7 +8,6 @@ export) lives in common.py."""
 
 from typing import TYPE_CHECKING
 
-from rlkit.bridge.adapters import check_peft
 from rlkit.bridge.base import BRIDGES, ModelBridge
 from rlkit.config.schema import ConfigError, PeftConfig
 
@@ -30,8 +29,8 @@ def open_bridge(bridge: str, hf_dir: str, params_dtype: "torch.dtype", attention
     """The policy.bridge backend over the checkpoint in hf_dir; attention_backend (one of
     ATTENTION_BACKENDS) is the core attention of every model it builds where TransformerEngine is
     not installed (with it, the backend's TE spec brings TE's attention); peft (policy.peft) adds
-    adapters to every model it builds."""
-    check_peft(peft, bridge)
+    adapters to every model it builds. The config's rules (check_bridge, check_peft) checked these
+    as it loaded."""
     if bridge == "mbridge":
         from rlkit.bridge.mbridge_backend import MBridge
         return MBridge(hf_dir, params_dtype, attention_backend)

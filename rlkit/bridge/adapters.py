@@ -8,7 +8,7 @@ LoRA puts one adapter on a fused layer: the fused names must be asked for togeth
 import json
 from pathlib import Path
 
-from rlkit.config.schema import ConfigError, PeftConfig
+from rlkit.config.schema import ConfigError, PeftConfig, check_choice
 
 # policy.peft.type. Not DoRA: Megatron-Bridge 0.3.1's merged export folds every adapter as a plain
 # LoRA, without DoRA's magnitude vector, so generation would get other weights than the policy's
@@ -40,16 +40,12 @@ def megatron_target_modules(target_modules: list[str]) -> list[str]:
     return targets
 
 
-def check_peft(peft: PeftConfig | None, bridge: str, hidden_size: int = 0) -> None:
-    """policy.peft against its own ranges, policy.bridge and the model's hidden size (0: unknown):
-    one ConfigError naming the key."""
+def check_peft(peft: PeftConfig | None, hidden_size: int = 0) -> None:
+    """policy.peft against its own ranges and the model's hidden size (0: unknown): one ConfigError
+    naming the key. Which backends build adapters: rlkit/bridge/base.py check_bridge."""
     if peft is None:
         return
-    if bridge != "megatron_bridge":
-        raise ConfigError(f"policy.peft: adapters are built by Megatron-Bridge's PEFT, which policy.bridge={bridge} "
-                          f"does not run; set policy.bridge=megatron_bridge or policy.peft=null")
-    if peft.type not in PEFT_TYPES:
-        raise ConfigError(f"policy.peft.type: must be one of {list(PEFT_TYPES)} (got: {peft.type!r}); pick one of those")
+    check_choice("policy.peft.type", peft.type, PEFT_TYPES)
     if peft.rank < 1:
         raise ConfigError(f"policy.peft.rank: must be >= 1 (got: {peft.rank}); e.g. 8")
     if hidden_size and peft.rank >= hidden_size:

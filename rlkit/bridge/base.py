@@ -1,12 +1,13 @@
 """What every policy.bridge backend is to the rest of rlkit (ModelBridge), and what each one is
-known to convert (check_bridge_supports). Free of torch and of the backends' libraries: loading
-a config imports it."""
+known to build and convert, declared as data (BRIDGES) and checked as the config loads
+(check_bridge). Free of torch and of the backends' libraries: loading a config imports it."""
 
 import importlib.util
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
 
-from rlkit.config.schema import ConfigError
+from rlkit.config.schema import ConfigError, PolicyConfig
 
 if TYPE_CHECKING:
     import torch
@@ -15,20 +16,55 @@ if TYPE_CHECKING:
 
 # policy.attention_backend: torch SDPA (sdpa_attention.py) or Megatron's unfused DotProductAttention
 ATTENTION_BACKENDS = ("sdpa", "local")
+
+
+@dataclass(frozen=True)
+class BridgeSupport:
+    """What a backend builds and converts as rlkit's tests check it; the rest is refused at config load."""
+    # HF model types it converts with parity to HF and a bit-exact export; None: whatever the backend maps
+    model_types: tuple[str, ...] | None
+    expert_parallel: bool  # policy.expert_parallel_size > 1
+    context_parallel: bool  # policy.context_parallel_size > 1
+    virtual_pipeline: bool  # policy.virtual_pipeline_parallel_size > 1
+    peft: bool  # adapters (policy.peft)
+
+
 # policy.bridge
-BRIDGES = ("mbridge", "megatron_bridge")
-# HF model types each backend converts as rlkit's tests check it (parity with HF, bit-exact export);
-# None: whatever the backend itself maps
-CHECKED_MODEL_TYPES = {"mbridge": None,
-                       "megatron_bridge": ("qwen2", "qwen3", "llama", "qwen3_moe", "glm4_moe")}
+BRIDGES = {
+    "mbridge": BridgeSupport(None, expert_parallel=True, context_parallel=True, virtual_pipeline=True, peft=False),
+    # experts on one rank: its conversion numbers a rank's local experts as global ones only in TE's
+    # grouped layout; never run with context parallelism or virtual stages here
+    "megatron_bridge": BridgeSupport(("qwen2", "qwen3", "llama", "qwen3_moe", "glm4_moe"), expert_parallel=False,
+                                     context_parallel=False, virtual_pipeline=False, peft=True),
+}
 
 
-def check_bridge_supports(bridge: str, model_type: str):
-    """A ConfigError naming policy.bridge and the architecture where `bridge` does not convert it."""
-    checked = CHECKED_MODEL_TYPES[bridge]
-    if checked is not None and model_type not in checked:
-        raise ConfigError(f"policy.bridge: {bridge} converts the architectures {list(checked)}, not "
-                          f"{model_type!r}; use policy.bridge=mbridge for it")
+def _bridge_that(supports: Callable[[BridgeSupport], bool]) -> str:
+    """The first backend that `supports` (the fix a refusal names)."""
+    return next(name for name, support in BRIDGES.items() if supports(support))
+
+
+def check_bridge(p: PolicyConfig, model_type: str | None) -> None:
+    """policy.bridge against what its backend supports (BRIDGES): the model's architecture, then each
+    layout and the adapters it does not build; one ConfigError naming the key that asks for it."""
+    support = BRIDGES[p.bridge]
+    if support.model_types is not None and model_type not in support.model_types:
+        raise ConfigError(f"policy.bridge: {p.bridge} converts the architectures {list(support.model_types)}, not "
+                          f"{model_type!r}; use policy.bridge={_bridge_that(lambda s: s.model_types is None)} for it")
+    layouts = [("policy.expert_parallel_size", p.expert_parallel_size, lambda s: s.expert_parallel),
+               ("policy.context_parallel_size", p.context_parallel_size, lambda s: s.context_parallel)]
+    for key, size, supports in layouts:
+        if size > 1 and not supports(support):
+            raise ConfigError(f"{key}: policy.bridge={p.bridge} runs with {key}=1 only (got: {size}); set "
+                              f"{key}=1 or policy.bridge={_bridge_that(supports)}")
+    vpp = p.virtual_pipeline_parallel_size
+    if vpp > 1 and not support.virtual_pipeline:
+        key, other = "policy.virtual_pipeline_parallel_size", _bridge_that(lambda s: s.virtual_pipeline)
+        raise ConfigError(f"{key}: virtual stages are built and converted through {other} (got: policy.bridge="
+                          f"{p.bridge}); set policy.bridge={other}, or {key}=1")
+    if p.peft is not None and not support.peft:
+        raise ConfigError(f"policy.peft: adapters are built by Megatron-Bridge's PEFT, which policy.bridge={p.bridge} "
+                          f"does not run; set policy.bridge={_bridge_that(lambda s: s.peft)} or policy.peft=null")
 
 
 def transformer_engine_installed() -> bool:
@@ -36,21 +72,23 @@ def transformer_engine_installed() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def check_transformer_engine_layout(context_parallel_size: int, packing_key: str | None, packing_off: str) -> None:
+def check_transformer_engine_context_parallel(context_parallel_size: int) -> None:
     """With TransformerEngine installed, its attention replaces rlkit's SDPA attention, which is what
-    takes rlkit's context-parallel split and the mask that keeps each sequence of a packed row to
-    itself (TE's attends causally over the whole row): a ConfigError for a run that needs either.
-    packing_key names the key that packs rows (None: none does), packing_off its setting that doesn't."""
-    if not transformer_engine_installed():
-        return
-    if context_parallel_size > 1:
+    takes rlkit's context-parallel split: a ConfigError for a run that splits its rows."""
+    if context_parallel_size > 1 and transformer_engine_installed():
         # the worker splits rows and cuts packed masks the way rlkit/bridge/context_parallel.py attends;
         # TE's context-parallel attention takes neither, and this pairing has never run
         raise ConfigError(f"policy.context_parallel_size: context parallelism runs on rlkit's SDPA attention, "
                           f"which TransformerEngine's layer spec replaces (TE is installed here; got "
                           f"context_parallel_size={context_parallel_size}); set "
                           f"policy.context_parallel_size=1 or run without transformer_engine")
-    if packing_key is not None:
+
+
+def check_transformer_engine_packing(packing_key: str, packing_off: str) -> None:
+    """With TransformerEngine installed, its attention (causal over the whole row) replaces rlkit's
+    SDPA attention, whose mask keeps each sequence of a packed row to itself: a ConfigError for a run
+    that packs rows. packing_key names the key that packs them, packing_off its setting that doesn't."""
+    if transformer_engine_installed():
         raise ConfigError(f"{packing_key}: packed rows keep each sequence's attention to itself through rlkit's "
                           f"SDPA attention, which TransformerEngine's layer spec replaces (TE is installed here, "
                           f"and its attention would cross sequences); set {packing_off} or run without "

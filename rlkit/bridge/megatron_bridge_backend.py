@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from rlkit.bridge.base import ModelBridge, check_bridge_supports, transformer_engine_installed
+from rlkit.bridge.base import ModelBridge, transformer_engine_installed
 from rlkit.bridge.common import (RL_MODEL_SETTINGS, RowExport, core_attention, head_hooks, holds_every_weight,
                                  local_layer_spec, probe_rows, router_gemm_without_te, unwrap, without_grad)
 from rlkit.bridge.megatron_bridge_compat import auto_bridge
@@ -30,10 +30,7 @@ class MegatronBridge(ModelBridge):
     where TransformerEngine is not installed; with it, the bridge's TE spec brings TE's attention."""
 
     def __init__(self, hf_dir: str, params_dtype: torch.dtype, attention_backend: str, peft: PeftConfig | None = None):
-        from transformers import AutoConfig
-
         self.hf_dir = str(hf_dir)
-        check_bridge_supports("megatron_bridge", AutoConfig.from_pretrained(self.hf_dir).model_type)
         self._bridge = auto_bridge().from_hf_pretrained(self.hf_dir)  # the config now, tensors when converted
         self.hf_config = self._bridge.hf_pretrained.config
         provider = self._bridge.to_megatron_provider(load_weights=False)

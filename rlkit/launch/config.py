@@ -1,6 +1,7 @@
-"""Compose a recipe with Hydra, check it against the schema, then check cross-key consistency:
-what every run needs, what runs with rollouts need, then the algorithm's own checks (its spec),
-then that the run's directories can be written, and last that the run can do something at all
+"""Compose a recipe with Hydra, check it against the schema, then run each part's config rules,
+which the part they govern keeps (validate lists them in order): what every run needs, what runs
+with rollouts need, the algorithm's own (its spec), the model's layout against its shape, then
+that the run's directories can be written, and last that the run can do something at all
 (rlkit/launch/preflight.py). Every problem is one ConfigError line: `key: problem (got: value); fix`.
 
 Nothing here imports torch, Ray or Megatron, nor may anything it imports (the algorithm modules
@@ -8,12 +9,10 @@ included): the CLI's help texts and config errors come from here, in well under 
 (benchmarks/cli_latency.py; tests/unit/test_cli_startup.py holds it to that)."""
 
 import difflib
-import json
 import os
 import re
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import yaml
 from hydra import compose, initialize_config_dir
@@ -23,19 +22,17 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from rlkit.algorithms.lr_schedule import check_schedule
 from rlkit.algorithms.registry import load_algorithm
-from rlkit.bridge.base import ATTENTION_BACKENDS, BRIDGES, check_bridge_supports, check_transformer_engine_layout
-from rlkit.bridge.adapters import check_init_from, check_peft
+from rlkit.bridge.adapters import check_init_from
 from rlkit.checkpoint.rules import check_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.config.choices import OFFLOAD_MODES
-from rlkit.config.schema import (DATASETS, ConfigError, PolicyConfig, RootConfig, check_choice, check_finite,
-                                 check_positive)
+from rlkit.config.schema import DATASETS, ConfigError, RootConfig, check_choice, check_finite, check_positive
 from rlkit.data.rules import check_data
 from rlkit.envs.rules import check_env_runner, check_environment
 from rlkit.launch.preflight import check_config
-from rlkit.models.tiny import ARCHITECTURES, TINY_EXPERTS, TINY_HEADS, parse_tiny
+from rlkit.models.shape import model_shape
 from rlkit.refit.transport import check_refit
 from rlkit.workers.generation.rules import check_generation
+from rlkit.workers.policy.rules import check_model_layout, check_policy, data_parallel_size
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_GROUPS_DIR = REPO_ROOT / "configs"
@@ -163,91 +160,24 @@ def to_typed(cfg: DictConfig) -> RootConfig:
         raise ConfigError(f"{getattr(e, 'full_key', '?')}: {str(e).splitlines()[0]}") from None
 
 
-class ModelShape(NamedTuple):
-    """What the parallel layout must divide: attention heads, key/value heads, routed experts (0: dense),
-    transformer layers (0: config.json does not say); and the hidden size LoRA's rank stays below (0: unknown)."""
-    heads: int
-    kv_heads: int
-    experts: int
-    layers: int
-    hidden: int = 0
-
-
-def _model_shape(model_path: str, tiny_layers: int, tiny_hidden: int = 0) -> ModelShape:
-    """The model's shape from an HF checkpoint's config.json, or from the tiny:// architecture."""
-    arch = parse_tiny(model_path)
-    if arch:
-        return ModelShape(*TINY_HEADS, TINY_EXPERTS.get(arch, 0), tiny_layers, tiny_hidden)
-    config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
-        made_here = "; `rlkit pretrained smollm2-135m-instruct` makes it" if "SmolLM2" in model_path else ""
-        raise ConfigError(f"policy.model_path: {config_file} does not exist; give an HF checkpoint directory "
-                          f"or tiny://<{'|'.join(ARCHITECTURES)}>{made_here}")
-    try:
-        hf = json.loads(config_file.read_text())
-        # Qwen-MoE and DeepSeek write num_experts / n_routed_experts; Mixtral and transformers 5 num_local_experts
-        experts = next((hf[key] for key in ("num_experts", "num_local_experts", "n_routed_experts") if key in hf), 0)
-        return ModelShape(hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"]), experts,
-                          hf.get("num_hidden_layers", 0), hf.get("hidden_size", 0))
-    except (json.JSONDecodeError, KeyError) as e:
-        raise ConfigError(f"policy.model_path: {config_file} is not a usable HF config ({type(e).__name__}: {e}); "
-                          f"point policy.model_path at a complete HF checkpoint directory") from None
-
-
 def validate(cfg: RootConfig) -> None:
-    """Cross-key checks: what every run needs, what rollouts need, then the algorithm's own."""
-    p, a = cfg.policy, cfg.algorithm
-    algorithm = load_algorithm(a.name)
+    """Each part's rules, kept by the part they govern: what every run needs, what rollouts need,
+    the algorithm's own (its spec's validate), then the model's layout against its shape."""
+    p, algorithm = cfg.policy, load_algorithm(cfg.algorithm.name)
     check_choice("cluster.placement", cfg.cluster.placement, PLACEMENTS)
-    check_choice("policy.precision", p.precision, ("fp32", "bf16"))
-    check_choice("policy.attention_backend", p.attention_backend, ATTENTION_BACKENDS)
-    check_choice("policy.bridge", p.bridge, BRIDGES)
     if algorithm.rollouts:
         _check_rollout_sections(cfg)
         check_env_runner(cfg.env_runner)  # before the algorithm's checks, which compute the response budget from it
-    check_data(cfg.data, a.name, algorithm.data)
-    arch = parse_tiny(p.model_path)
-    if p.model_path.startswith("tiny://") and arch not in ARCHITECTURES:
-        raise ConfigError(f"policy.model_path: tiny model '{p.model_path}' is unknown; use one of "
-                          f"{['tiny://' + x for x in ARCHITECTURES]}")
-    check_positive(("policy.num_workers", p.num_workers), ("policy.tensor_parallel_size", p.tensor_parallel_size),
-              ("policy.pipeline_parallel_size", p.pipeline_parallel_size),
-              ("policy.virtual_pipeline_parallel_size", p.virtual_pipeline_parallel_size),
-              ("policy.context_parallel_size", p.context_parallel_size),
-              ("policy.expert_parallel_size", p.expert_parallel_size),
-              ("policy.micro_batch_size", p.micro_batch_size),
-              ("policy.train_global_batch_size", p.train_global_batch_size),
-              ("cluster.num_cpus", cfg.cluster.num_cpus), ("algorithm.val_every", a.val_every),
-              ("algorithm.num_steps", a.num_steps))
-    model_parallel = p.tensor_parallel_size * p.pipeline_parallel_size * p.context_parallel_size
-    if p.num_workers % model_parallel:
-        raise ConfigError(f"policy.num_workers: must be a multiple of policy.tensor_parallel_size x "
-                          f"policy.context_parallel_size x policy.pipeline_parallel_size = {model_parallel} "
-                          f"(got: {p.num_workers}); set it to a multiple of {model_parallel}")
-    check_choice("policy.offload", p.offload, OFFLOAD_MODES)
-    if p.max_tokens_per_microbatch < 0:
-        raise ConfigError(f"policy.max_tokens_per_microbatch: must be >= 0 (got: {p.max_tokens_per_microbatch}); "
-                          f"0 turns the token budget off")
+    check_data(cfg.data, cfg.algorithm.name, algorithm.data)
+    check_policy(p)
+    check_positive(("cluster.num_cpus", cfg.cluster.num_cpus), ("algorithm.val_every", cfg.algorithm.val_every),
+                   ("algorithm.num_steps", cfg.algorithm.num_steps))
     check_schedule(p.optimizer)
-    dp = p.num_workers // model_parallel
-    if p.train_global_batch_size % (dp * p.micro_batch_size):
-        raise ConfigError(f"policy.train_global_batch_size: must be divisible by DP ({dp}) x "
-                          f"policy.micro_batch_size ({p.micro_batch_size}) = {dp * p.micro_batch_size} "
-                          f"(got: {p.train_global_batch_size}); set it to a multiple of {dp * p.micro_batch_size}")
     for section in ("algorithm", "policy", "generation", "refit"):
         check_finite(section, getattr(cfg, section))
-    algorithm.validate(cfg, dp)
-    shape = _model_shape(p.model_path, p.tiny_model.num_layers, p.tiny_model.hidden_size)
-    for name, count in [("attention heads", shape.heads), ("key/value heads", shape.kv_heads)]:
-        if count % p.tensor_parallel_size:
-            raise ConfigError(f"policy.tensor_parallel_size: must divide the model's {count} {name} "
-                              f"(got: {p.tensor_parallel_size}); pick a divisor of {count}")
-    _validate_expert_parallel(p, dp, shape.experts)
-    _validate_virtual_pipeline(p, shape.layers, dp)
-    _validate_context_parallel(p, shape.experts)
-    _validate_bridge(p)
-    check_transformer_engine_layout(p.context_parallel_size, *_packing(cfg))
-    check_peft(p.peft, p.bridge, shape.hidden)
+    algorithm.validate(cfg, data_parallel_size(p))
+    shape = model_shape(p.model_path, p.tiny_model.num_layers, p.tiny_model.hidden_size)
+    check_model_layout(p, shape)
     check_init_from(p.peft)
     if algorithm.rollouts:
         check_generation(cfg.generation, shape.heads)
@@ -269,96 +199,6 @@ def _check_rollout_sections(cfg: RootConfig) -> None:
         if getattr(cfg, section) is None:
             raise ConfigError(f"{section}: algorithm {cfg.algorithm.name} generates rollouts and needs this "
                               f"section; add /{section} to the recipe's defaults (see recipes/grpo_tiny_cpu.yaml)")
-
-
-def _validate_expert_parallel(p: PolicyConfig, dp: int, experts: int) -> None:
-    """Megatron lays the experts over TP x EP x PP ranks (expert TP = TP), so an expert-parallel group
-    spans data-parallel ranks only, and each of its ranks holds an equal share of the experts."""
-    ep = p.expert_parallel_size
-    if ep == 1:
-        return
-    if not experts:
-        raise ConfigError(f"policy.expert_parallel_size: {p.model_path} is a dense model, without experts to "
-                          f"spread (got: {ep}); set it to 1")
-    if experts % ep:
-        raise ConfigError(f"policy.expert_parallel_size: must divide the model's {experts} experts (got: {ep}); "
-                          f"pick a divisor of {experts}")
-    if dp % ep:
-        raise ConfigError(f"policy.expert_parallel_size: must divide the data-parallel size policy.num_workers / "
-                          f"(TP x PP) = {dp} (got: {ep}); set policy.num_workers to a multiple of "
-                          f"TP x PP x EP = {p.tensor_parallel_size * p.pipeline_parallel_size * ep}")
-
-
-def _validate_virtual_pipeline(p: PolicyConfig, layers: int, dp: int) -> None:
-    """Virtual pipeline stages: each pipeline rank holds policy.virtual_pipeline_parallel_size chunks
-    of equal depth, run by Megatron's interleaved schedule, which needs a micro-batch per pipeline
-    rank. Built and converted by mbridge."""
-    vpp = p.virtual_pipeline_parallel_size
-    if vpp == 1:
-        return
-    key = "policy.virtual_pipeline_parallel_size"
-    if p.pipeline_parallel_size == 1:
-        raise ConfigError(f"{key}: virtual stages interleave pipeline ranks, and policy.pipeline_parallel_size is 1 "
-                          f"(got: {vpp}); set policy.pipeline_parallel_size > 1, or this to 1")
-    stages = p.pipeline_parallel_size * vpp
-    if not layers:
-        raise ConfigError(f"{key}: {p.model_path}/config.json gives no num_hidden_layers to split into {stages} chunks; "
-                          f"point policy.model_path at a complete HF checkpoint, or set {key}=1")
-    if layers % stages:
-        fitting = [v for v in range(1, layers + 1) if layers % (p.pipeline_parallel_size * v) == 0]
-        raise ConfigError(f"{key}: the model's {layers} layers must split evenly into policy.pipeline_parallel_size x "
-                          f"{key} = {stages} chunks (got: {vpp}); at policy.pipeline_parallel_size="
-                          f"{p.pipeline_parallel_size} pick one of {fitting}")
-    if p.bridge != "mbridge":
-        # Megatron-Bridge (and with it policy.peft) has not been run with virtual stages here
-        raise ConfigError(f"{key}: virtual stages are built and converted through mbridge (got: policy.bridge="
-                          f"{p.bridge}); set policy.bridge=mbridge, or {key}=1")
-    if p.train_global_batch_size // dp < p.pipeline_parallel_size:
-        raise ConfigError(f"policy.train_global_batch_size: with {key}={vpp} each of the {dp} data-parallel ranks "
-                          f"needs at least policy.pipeline_parallel_size={p.pipeline_parallel_size} rows per step, one "
-                          f"per micro-batch (got: {p.train_global_batch_size}); set it to at least "
-                          f"{dp * p.pipeline_parallel_size}")
-
-
-def _validate_bridge(p: PolicyConfig) -> None:
-    """policy.bridge=megatron_bridge: the architectures rlkit checks it on, experts held on one rank
-    (its conversion numbers a rank's local experts as global ones only in TE's grouped layout) and
-    no context parallelism (never run with it)."""
-    if p.bridge != "megatron_bridge":
-        return
-    hf_config = {} if parse_tiny(p.model_path) else json.loads((Path(p.model_path) / "config.json").read_text())
-    model_type = parse_tiny(p.model_path) or hf_config.get("model_type")
-    check_bridge_supports(p.bridge, model_type)
-    for key, value in [("policy.expert_parallel_size", p.expert_parallel_size),
-                       ("policy.context_parallel_size", p.context_parallel_size)]:
-        if value > 1:
-            raise ConfigError(f"{key}: policy.bridge=megatron_bridge runs with {key}=1 only (got: {value}); set "
-                              f"{key}=1 or policy.bridge=mbridge")
-
-
-def _packing(cfg: RootConfig) -> tuple[str | None, str]:
-    """The key that makes the run pack rows (None: nothing does), and its setting that does not."""
-    warm_start = getattr(cfg.algorithm, "warm_start", None)
-    if warm_start is not None and warm_start.sft_steps > 0:  # the warm start's SFT packs its examples
-        return "algorithm.warm_start.sft_steps", "algorithm.warm_start.sft_steps=0"
-    if cfg.algorithm.name == "sft" and cfg.data.pack:
-        return "data.pack", "data.pack=false"
-    return None, ""
-
-
-def _validate_context_parallel(p: PolicyConfig, experts: int) -> None:
-    """rlkit's context-parallel attention is SDPAttention's (rlkit/bridge/context_parallel.py);
-    with MoE layers it is untested, so refused rather than trusted."""
-    cp = p.context_parallel_size
-    if cp == 1:
-        return
-    if p.attention_backend != "sdpa":
-        raise ConfigError(f"policy.context_parallel_size: context parallelism needs policy.attention_backend=sdpa "
-                          f"(got: {p.attention_backend!r} with context_parallel_size={cp}); set "
-                          f"policy.attention_backend=sdpa or policy.context_parallel_size=1")
-    if experts:
-        raise ConfigError(f"policy.context_parallel_size: {p.model_path} is an MoE model, which rlkit does not "
-                          f"train with context parallelism yet (got: {cp}); set policy.context_parallel_size=1")
 
 
 def _writable_dir(key: str, path: str) -> None:

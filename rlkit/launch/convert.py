@@ -15,7 +15,9 @@ from omegaconf import OmegaConf
 from rlkit.checkpoint import MANIFEST, DiskWriteError, complete_checkpoints, disk_failure, verify
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.launch.config import to_typed
+from rlkit.models.shape import model_shape
 from rlkit.workers.policy.adapter_base import recorded_base, restored_base
+from rlkit.workers.policy.rules import check_model_layout
 
 _UNFINISHED = re.compile(r"^step_\d+\.tmp-")
 PEFT_ADAPTER = "HF PEFT adapter"
@@ -57,6 +59,8 @@ def checked_conversion(checkpoint_dir: Path, out_dir: Path, merged: bool) -> Con
         raise ConfigError(f"rlkit convert --merged: {checkpoint_dir} holds every weight of the policy (it was trained "
                           f"without policy.peft), so there are no adapters to merge; convert it without --merged")
     model_dir = restored_base(checkpoint_dir, cfg, "rlkit convert")
+    p = cfg.policy  # rebuilt as the run had it, over model_dir: checked as a run's config is, before any worker
+    check_model_layout(p, model_shape(str(model_dir), p.tiny_model.num_layers, p.tiny_model.hidden_size))
     if base is None:
         kind = "HF checkpoint"
     else:

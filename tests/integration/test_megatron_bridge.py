@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from test_policy_parity import TOLERANCE, _hf_logprobs
 
-from rlkit.bridge.base import CHECKED_MODEL_TYPES
+from rlkit.bridge.base import BRIDGES
 from rlkit.data.batch import Batch
 from rlkit.launch.run import train
 from rlkit.models.resolve import resolve_model_dir
@@ -39,7 +39,7 @@ LAYOUTS = {"qwen2-tied-tp1": ("tiny://qwen2", ONE_RANK),
            "glm4-moe-tp1": ("tiny://glm4_moe", ONE_RANK),
            # every architecture the bridge accepts, at each split
            **{f"{arch.replace('_', '-')}-{split}": (f"tiny://{arch}", overrides)
-              for arch in CHECKED_MODEL_TYPES["megatron_bridge"] for split, overrides in SPLITS.items()}}
+              for arch in BRIDGES["megatron_bridge"].model_types for split, overrides in SPLITS.items()}}
 
 
 def _rope_base_checkpoint(make_cfg, directory):
