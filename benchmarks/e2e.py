@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from e2e_workload import (LAYOUTS, Layout, Workload, add_workload_args, layout_overrides,  # noqa: E402
                           workload_of, workload_prompts)
+from common import model_dir_for  # noqa: E402
 from process_group import run_logged  # noqa: E402
 
 # rlkit metric -> phase (several add up); the step is timing/step
@@ -120,22 +121,6 @@ def summary(per_step: list[dict]) -> dict:
     medians = {k: statistics.median(s[k] for s in steady if k in s) for k in steady[0]}
     return {"steps": per_step, "steady_steps": len(steady), "median": medians,
             "outside_compute_fraction": medians.pop("outside_compute_fraction")}
-
-
-def model_dir_for(name: str, cache_dir: Path) -> Path:
-    if name == "smollm2":
-        from rlkit.models.pretrained import smollm2_135m_instruct
-        return smollm2_135m_instruct(cache_dir)
-    if name == "tiny":
-        from rlkit.launch.config import load_config
-        from rlkit.models.resolve import resolve_model_dir
-        cfg, _ = load_config("grpo_tiny_cpu", [f"run.cache_dir={cache_dir}"])
-        return resolve_model_dir(cfg)
-    from common import MODELS, model_checkpoint
-    name = {"qwen3-1.7b": "qwen3-1.5b"}.get(name, name)  # the name the e2e results carry for Qwen3-1.7B's shape
-    if name not in MODELS:
-        raise SystemExit(f"--model: one of smollm2, tiny, qwen3-1.7b, {', '.join(MODELS)} (got: {name})")
-    return model_checkpoint(name, cache_dir / "models")
 
 
 def memory_estimate(name: str, w: Workload, layout: Layout, device_gb: float | None) -> dict | None:

@@ -402,7 +402,7 @@ def main():
     a = p.parse_args()
     import torch
 
-    from e2e import model_dir_for
+    from common import model_dir_for
     from e2e_workload import prompt_data, write_prompts
 
     from rlkit.models.tokenizer import load_tokenizer

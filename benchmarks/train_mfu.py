@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import model_dir_for  # noqa: E402
+from common import model_dir_for  # noqa: E402
 
 from rlkit.algorithms.objectives import NextTokenNLL  # noqa: E402
 from rlkit.cluster.setup import start_workers  # noqa: E402
