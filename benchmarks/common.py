@@ -92,7 +92,7 @@ def random_checkpoint(arch: str, shape: dict, out: Path) -> Path:
     try:
         model.save_pretrained(written)
         tokenizer.save_pretrained(written)
-        (written / "build_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
+        (written / "build_seconds.txt").write_text(f"{time.perf_counter() - start:.3f}\n")
         publish(written, out)
     finally:
         shutil.rmtree(written, ignore_errors=True)
