@@ -32,14 +32,14 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.parent.name != "unit")  # stable: each tier keeps its order
 
 
-# Integration tests run apart from the shared stream: each test a unit of work of its own, handed
-# out after the unit tests (collection order), so the process that ran those runs them beside the
-# shared integration tests instead of idling. Three start Ray clusters of their own (subprocesses);
-# test_env_workers uses the session's fixtures, which that process then sets up for itself (a
-# cluster and the README command's run, about 35 s it has to spare), and takes its 60 s of
-# multi-turn runs off the shared stream, the suite's longest
-APART_FILES = {"tests/integration/test_interrupts.py", "tests/integration/test_ray_job.py",
-               "tests/integration/test_quiet_console.py", "tests/integration/test_env_workers.py"}
+# Integration files and tests run apart from the shared stream: each test a unit of work of its
+# own, handed out after the unit tests (collection order), so the process that ran those runs them
+# beside the shared integration tests instead of idling. Three files start Ray clusters of their
+# own (subprocesses); the multi-turn GRPO test, the suite's longest (about 60 s), uses the session's
+# cluster and worker pool, which that process then sets up for itself (about 15 s it has to spare)
+APART = {"tests/integration/test_interrupts.py", "tests/integration/test_ray_job.py",
+         "tests/integration/test_quiet_console.py",
+         "tests/integration/test_env_workers.py::test_multi_turn_grpo_improves"}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -51,7 +51,8 @@ def pytest_xdist_make_scheduler(config, log):
         out the largest unit first, so the integration tests start at once."""
 
         def _split_scope(self, nodeid: str) -> str:
-            shared = nodeid.startswith("tests/integration/") and nodeid.split("::", 1)[0] not in APART_FILES
+            apart = nodeid.split("::", 1)[0] in APART or nodeid.split("[", 1)[0] in APART
+            shared = nodeid.startswith("tests/integration/") and not apart
             return "integration" if shared else nodeid
 
     return IntegrationApart(config, log)

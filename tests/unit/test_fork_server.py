@@ -209,14 +209,14 @@ def test_a_command_starts_its_server_ahead_only_for_a_local_cluster(monkeypatch,
             server.stop()
 
 
-@pytest.mark.parametrize("modules, bridge", [("PRELOAD", "mbridge"), ("GPU_PRELOAD", "mbridge"),
-                                             ("PRELOAD", "megatron_bridge")])
-def test_the_default_preload_is_fork_safe(modules, bridge):
-    """What every run's server imports (vLLM only where it is installed), with policy.bridge's
-    library: no Ray, no Python thread, no CUDA, every module that is installed imported, and not
-    wandb (which megatron-core would import), though a worker still can (one subprocess, about 5 s)."""
+@pytest.mark.parametrize("modules", ["PRELOAD", "GPU_PRELOAD"])
+def test_the_default_preload_is_fork_safe(modules):
+    """What every run's server imports (vLLM only where it is installed), with either bridge's
+    library (both at once here): no Ray, no Python thread, no CUDA, every module that is installed
+    imported, and not wandb (which megatron-core would import), though a worker still can (one
+    subprocess, about 5 s)."""
     code = (f"import sys; from rlkit.cluster.fork_server import {modules}, BRIDGE_PRELOAD, preload; "
-            f"names = tuple(BRIDGE_PRELOAD['{bridge}'] if m == '<bridge>' else m for m in {modules}); "
+            f"names = tuple(n for m in {modules} for n in (BRIDGE_PRELOAD.values() if m == '<bridge>' else [m])); "
             "print(preload(names)); print(','.join(m for m in names if m.partition(':')[0] not in sys.modules)); "
             "print('wandb' in sys.modules); import wandb")
     checked = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
