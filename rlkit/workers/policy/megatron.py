@@ -32,8 +32,8 @@ from rlkit.workers.policy.base import TrainingBackend
 from rlkit.workers.policy.checkpoint_io import CheckpointIO
 from rlkit.workers.policy.expected_warnings import silence_expected_warnings
 from rlkit.workers.policy.hand_over import MemoryHandOver
-from rlkit.workers.policy.pool_lifecycle import collect, release_process
 from rlkit.workers.policy.optimizer import build_optimizer
+from rlkit.workers.policy.pool_lifecycle import collect, release_process
 from rlkit.workers.policy.schedule import min_micro_batches, run_schedule, summed_on_host
 from rlkit.workers.policy.token_io import TokenIO
 from rlkit.workers.rendezvous import init_process_group
