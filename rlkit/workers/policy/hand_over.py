@@ -15,10 +15,6 @@ class MemoryHandOver:
         self.host = HostOffload(pin=on_gpu)  # what sleep() moved off the GPU, in reused pinned buffers
         self.pinned_bandwidth = None  # GB/s each way, measured at the first sleep()
 
-    @property
-    def is_asleep(self) -> bool:
-        return self.host.is_asleep
-
     def sleep(self, models: list, trained: list, optimizer) -> dict:
         """Free the GPU storages of `models` (every chunk with weights), of the gradient buffers of
         `trained` (the chunks DDP wraps) and of the optimizer's state. Returns bytes and seconds,
