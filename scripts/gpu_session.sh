@@ -20,7 +20,7 @@
 #     max_staleness (one per call: async 590 0 --timeout 570, then async 590 1 --timeout 570; results merge in /tmp/async_grpo.json)
 #   bash scripts/gpu_session.sh e2e-queue <label>...; e2e-wait <s>    named end-to-end runs of 4 GPUs (named_run below: 7B
 #     layouts, verl on the 7B, NeMo-RL's Llama-8B workload, MoE), one after the other in a session of their own that runs on
-#     between calls; each e2e-wait (calls back to back, < 30 s apart) waits up to s seconds and brings what has finished
+#     between calls; each e2e-wait (calls back to back, < 30 s apart) waits until a run ends or s seconds pass and brings what has finished
 set -uo pipefail
 source /tmp/gpucarry/env.sh
 [ "${TE:-0}" = 1 ] && export PYTHONPATH=/tmp/site-te:${PYTHONPATH:-}
@@ -86,15 +86,18 @@ e2e_queue() {  # the named runs one after the other; what each ended with in $E2
     named_run "$label" > "$E2E/$label.log" 2>&1
     echo "$label rc=$? at $(date +%T): $(tail -1 "$E2E/$label.log" | cut -c1-300)" >> "$E2E/queue.txt"
   done
+  echo "queue done at $(date +%T)" >> "$E2E/queue.txt"
 }
-e2e_wait() {  # until the queue ends or $1 seconds pass; then its state and every finished run's files into $OUT
-  local waited=0
-  while kill -0 "$(cat $E2E/queue.pid)" 2>/dev/null && [ $waited -lt "$1" ]; do sleep 5; waited=$((waited + 5)); done
+e2e_wait() {  # until a run of the queue ends or $1 seconds pass; then its state and every finished run's files into $OUT
+  # (the queue's lines, not its process id: a later call may run in another process namespace)
+  local waited=0 lines; touch "$E2E/queue.txt"; lines=$(wc -l < "$E2E/queue.txt")
+  while [ "$(wc -l < "$E2E/queue.txt")" -eq "$lines" ] && ! grep -q "^queue done" "$E2E/queue.txt" && [ $waited -lt "$1" ]; do
+    sleep 5; waited=$((waited + 5)); done
   cp "$E2E/queue.txt" "$OUT/e2e_queue.txt" 2>/dev/null; cat "$E2E/queue.txt" 2>/dev/null
   tar -czf "$OUT/e2e_runs.tar.gz" -C "$E2E" --exclude=cache --exclude=prompts --exclude=data --exclude='prompts*.jsonl' \
     --exclude=checkpoints --exclude=plots --exclude=tensorboard . 2>/dev/null
   local latest; latest=$(ls -t $E2E/*/rlkit.log $E2E/*/verl.log 2>/dev/null | head -1)
-  kill -0 "$(cat $E2E/queue.pid)" 2>/dev/null && echo "e2e: still running: $latest" && tail -3 "$latest" | cut -c1-300
+  grep -q "^queue done" "$E2E/queue.txt" || { echo "e2e: still running: $latest"; tail -3 "$latest" | cut -c1-300; }
 }
 LORA16="policy.peft={type:lora,rank:16,alpha:32,dropout:0.0,target_modules:[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]}"
 bridge_run() {  # bridge_run <s> <label> <bridge> [overrides]: the SmolLM2 recipe, no checkpoints; metrics and log in $OUT
@@ -135,7 +138,7 @@ case "$1" in
   e2e-verl) smollm2; e2e_verl "${2:-480}" "${@:3}" ;;
   async) smollm2; timeout "$2" python3 benchmarks/async_grpo.py --staleness "$3" --out /tmp/async_grpo.json "${@:4}" \
            2>&1 | tee -a "$OUT/async_grpo.log" | tail -4; cp /tmp/async_grpo.json "$OUT/" 2>/dev/null ;;  # 2 GPUs; async <s> <k,...>
-  e2e-queue) mkdir -p $E2E; setsid bash "$0" e2e-run-queue "${@:2}" > $E2E/queue.log 2>&1 < /dev/null &
+  e2e-queue) mkdir -p $E2E; rm -f $E2E/queue.txt; setsid bash "$0" e2e-run-queue "${@:2}" > $E2E/queue.log 2>&1 < /dev/null &
              echo $! > $E2E/queue.pid; echo "e2e: queued ${*:2}" ;;  # e2e-queue <label>...: named_run labels
   e2e-run-queue) e2e_queue "${@:2}" ;;
   e2e-wait) e2e_wait "$2" ;;  # e2e-wait <s>
