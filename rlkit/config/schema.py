@@ -140,6 +140,8 @@ class VllmEngineConfig:
     torch_compile: bool = MISSING
     seed_per_request: bool = MISSING
     engine_process: bool = MISSING
+    # None: the engine holds the weights as refitted; "fp8": vLLM quantizes them as each refit loads them
+    quantization: Optional[str] = None
 
 
 @dataclass
@@ -177,6 +179,14 @@ class WarmStartConfig:
     sft_steps: int = MISSING
     batch_size: int = MISSING
     lr: float = MISSING
+
+
+@dataclass
+class EpisodeWarmStartConfig(WarmStartConfig):
+    """RL's warm start: for an environment that gives reference turns (tool calls, then the
+    answer), on whole episodes, a share of them answered directly instead."""
+
+    direct_fraction: float = MISSING
 
 
 @dataclass

@@ -10,8 +10,9 @@ StandingReceiver     a thread in each vLLM engine process (or HF worker) serves 
 Each reports a refit as a Received.
 """
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -115,25 +116,31 @@ class StandingReceiver:
     """Serves refits in a generation process from the policy rank at `address`, through
     `transport` (a receiving half: receiving_half); get_model() is the current model (vLLM's, or
     anything with its load_weights), whose loader is learned once per plan and replayed.
-    check_plan(plan), where given, refuses a new plan that does not fit the model."""
+    check_plan(plan), where given, refuses a new plan that does not fit the model.
+    load_session(model), where given, is a context that a whole refit's loads run in (vLLM's
+    reload that quantizes each layer once its weights are in); the loader then places every
+    tensor itself, at every refit."""
 
     def __init__(self, transport, get_model: Callable[[], torch.nn.Module], address: tuple, name: str,
-                 timeout_s: float, check_plan: Callable[[RefitPlan], None] | None = None):
+                 timeout_s: float, check_plan: Callable[[RefitPlan], None] | None = None,
+                 load_session: Callable[[torch.nn.Module], ContextManager] | None = None):
         self.transport, self.get_model, self.name, self.check_plan = transport, get_model, name, check_plan
+        self.load_session = load_session
         self._replay = None
         self._delta = DeltaReceiver()  # refit.delta: the buckets as rebuilt last, in host memory
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self.thread = ChannelThread(address, name, self.serve, device, timeout_s)
 
     def _loader(self, plan: RefitPlan):
-        """This plan's replay of this model's loader; a new plan or model is learned again."""
-        from rlkit.refit.replay import LoadReplay
+        """This plan's replay of this model's loader; a new plan or model is learned again. Under a
+        load session, the loader itself (a session moves the tensors a replay would write into)."""
+        from rlkit.refit.replay import LoadReplay, ModelLoader
 
         model = self.get_model()
         if self._replay is None or self._replay.plan != plan or self._replay.model is not model:
             if self.check_plan is not None:
                 self.check_plan(plan)
-            self._replay = LoadReplay(plan, model)
+            self._replay = (LoadReplay if self.load_session is None else ModelLoader)(plan, model)
         return self._replay
 
     def serve(self, channel: Channel, plan: RefitPlan, start: RefitStart) -> Received:
@@ -158,7 +165,8 @@ class StandingReceiver:
                 pending.discard(received.index)
 
             channel.send(self._delta.begin(plan))
-        self.transport.receive(channel, plan, start, load)
+        with self.load_session(replay.model) if self.load_session is not None else contextlib.nullcontext():
+            self.transport.receive(channel, plan, start, load)
         if pending:  # a transport's receiving half that returned early
             raise RefitIntegrityError(f"refit incomplete on {self.name}: buckets {sorted(pending)} never arrived")
         metrics = {"refit/replayable_fraction": replay.replayable_fraction}

@@ -9,7 +9,8 @@ repeats it.
 
 A tensor whose loading does more than take views, copy out of the bucket and fill constants (a
 dtype cast into a temporary, arithmetic, a fresh tensor) is not replayed: it goes through the
-loader at every refit.
+loader at every refit. ModelLoader sends every tensor through the loader (an engine that
+quantizes the weights as it loads them).
 """
 
 from dataclasses import dataclass
@@ -99,6 +100,25 @@ class _Recorder(TorchDispatchMode):
         hit = any(start < e and s < end for s, e in self.written)
         self.written.append((start, end))
         return hit
+
+
+class ModelLoader:
+    """Loads buckets of one RefitPlan into `model` through its loader, every tensor at every refit
+    (LoadReplay's interface): for a model whose loader does more than copy, e.g. quantize."""
+
+    replayable_fraction = 0.0
+
+    def __init__(self, plan: RefitPlan, model: torch.nn.Module):
+        self.plan, self.model = plan, model
+
+    @torch.no_grad()
+    def load(self, packed: PackedBucket, verify: bool):
+        self.plan.check(packed, verify)
+        self.model.load_weights(weights=[(s.name, slot_view(s, packed.buffer))
+                                         for s in self.plan.buckets[packed.index].slots])
+
+    def release_buffers(self):
+        """Nothing to drop: no view of a buffer outlives its load."""
 
 
 class LoadReplay:

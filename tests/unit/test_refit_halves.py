@@ -4,6 +4,8 @@ bit-identical to the exported weights, first through their loader, then by repla
 transports (CUDA IPC, NCCL) only move the bytes and run in tests/gpu; here a transport pair
 moves each packed bucket over the channel itself."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -136,5 +138,53 @@ def test_a_bucket_the_receiving_half_never_loads_fails_the_refit_naming_it():
     with pytest.raises(RuntimeError, match=rf"generation worker 0 failed: RefitIntegrityError: refit incomplete on "
                                            rf"generation worker 0: buckets \[{len(plan.buckets) - 1}\] never arrived"):
         sender.send(plan, with_checksum=True)
+    sender._server.close()
+    receiver.thread.thread.join(timeout=10)
+
+
+class QuantizingEngine(Engine):
+    """An engine that, like vLLM's quantized reload, takes each refit's weights into fresh tensors
+    while a load session is open and writes them back processed (here: rounded to bf16) into the
+    tensors it serves from when the session closes."""
+
+    def __init__(self):
+        super().__init__()
+        self.staged, self.sessions = None, 0
+
+    @contextlib.contextmanager
+    def reload(self, model):
+        assert model is self
+        served = {name: p.data for name, p in self.named_parameters()}
+        self.staged = {name: torch.full_like(t, float("nan")) for name, t in served.items()}
+        for name, t in self.staged.items():
+            getattr(self, name).data = t
+        yield
+        for name, t in served.items():
+            t.copy_(self.staged[name].bfloat16().float())
+            getattr(self, name).data = t
+        self.staged, self.sessions = None, self.sessions + 1
+
+    @torch.no_grad()
+    def load_weights(self, weights):
+        assert self.staged is not None, "a load outside the refit's session"
+        super().load_weights(weights)
+
+
+def test_a_load_session_holds_every_refit_and_the_loader_places_each_tensor_every_time():
+    sender = RefitSender(Source(seed=0))
+    plan = RefitPlan.build(sender.manifest(), bucket_bytes=64)
+    address = sender.open_channel("test_refit_halves:BYTES", receivers=1, timeout_s=10, host="127.0.0.1")
+    engine = QuantizingEngine()
+    served = engine.qk.data_ptr()
+    receiver = StandingReceiver(BytesFromChannel(), lambda: engine, address, "generation worker 0", 10,
+                                load_session=engine.reload)
+    for seed in (0, 1):  # a replay would write the second refit into the first session's staging tensors
+        sender.source.set_weights(seed)
+        report = sender.send(plan, with_checksum=True)
+        assert report.received == (Received({"refit/replayable_fraction": 0.0}),)
+        w = sender.source.weights
+        assert engine.sessions == seed + 1 and engine.qk.data_ptr() == served
+        assert torch.equal(engine.qk, torch.cat([w["q"], w["k"]]).bfloat16().float())
+        assert torch.equal(engine.norm, w["norm"].bfloat16().float())
     sender._server.close()
     receiver.thread.thread.join(timeout=10)

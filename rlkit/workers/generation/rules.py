@@ -5,6 +5,8 @@ from rlkit.config.schema import ConfigError, GenerationConfig, check_choice, che
 
 # generation.backend: HF transformers (CPU) or vLLM (GPUs)
 BACKENDS = ("hf", "vllm")
+# generation.vllm.quantization: the engine's weights as refitted, or quantized by vLLM as each refit loads them
+QUANTIZATIONS = (None, "fp8")
 
 
 def check_generation(g: GenerationConfig, heads: int) -> None:
@@ -21,3 +23,7 @@ def check_generation(g: GenerationConfig, heads: int) -> None:
     if heads % tp:
         raise ConfigError(f"generation.vllm.tensor_parallel_size: must divide the model's {heads} attention heads "
                           f"(got: {tp}); pick a divisor of {heads}")
+    check_choice("generation.vllm.quantization", g.vllm.quantization, QUANTIZATIONS)
+    if g.vllm.quantization is not None and g.precision != "bf16":
+        raise ConfigError(f"generation.vllm.quantization: {g.vllm.quantization} rollouts quantize bf16 weights "
+                          f"(got: generation.precision={g.precision}); set generation.precision=bf16")

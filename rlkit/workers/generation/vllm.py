@@ -92,6 +92,7 @@ class VLLMGenerationWorker(GenerationWorker):
                            load_format="dummy" if adapter is None else "auto",
                            dtype="bfloat16" if cfg.precision == "bf16" else "float32",
                            enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",
+                           quantization=v.quantization,
                            # logits as the policy computes them (policy.fp32_lm_head)
                            hf_overrides={"head_dtype": "float32"} if fp32_lm_head else None,
                            worker_extension_cls="rlkit.workers.generation.vllm_ext.RefitExtension", **lora)

@@ -3,6 +3,7 @@ through collective_rpc. `self` is vLLM's GPU worker. They set up this process's 
 (rlkit/refit/receiver.py); refits themselves then arrive at its thread, not through
 collective_rpc."""
 
+import contextlib
 import functools
 import pickle
 
@@ -43,7 +44,19 @@ class RefitExtension:
         name = f"{name} (GPU {self.rank} of its engine)" if self.parallel_config.world_size > 1 else name
         self._rlkit_receiver = StandingReceiver(
             receiving_half(transport, getattr(self, "_rlkit_communicator", None)), self.model_runner.get_model,
-            sender_for(senders, gpu_identity(), name), name, timeout_s)
+            sender_for(senders, gpu_identity(), name), name, timeout_s,
+            load_session=None if self.model_config.quantization is None else self._rlkit_quantizing_reload)
+
+    @contextlib.contextmanager
+    def _rlkit_quantizing_reload(self, model):
+        """A refit into a quantized engine (generation.vllm.quantization): vLLM's layerwise reload
+        takes the refit's bf16 weights, quantizes each layer once all of its weights are in and
+        writes the result into the tensors the engine (and its CUDA graphs) already use."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(model)
+        yield
+        finalize_layerwise_reload(model, self.model_config)
 
     @_pickled_args
     def rlkit_seed_sampler(self, seed: int):
