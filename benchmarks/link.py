@@ -41,15 +41,19 @@ def token_env() -> dict:
 
 
 @contextmanager
-def two_local_nodes(env: dict, log_dir: Path, cpus_per_node: int = 1, dashboard_ports: tuple[int, ...] = ()):
+def two_local_nodes(env: dict, log_dir: Path, cpus_per_node: int = 1, dashboard_ports: tuple[int, ...] = (),
+                    gpus_per_node: int = 0):
     """Yields the head's GCS address; the nodes run with `env` (token_env()) and log to
     log_dir/head.log and worker.log; both stop on exit, by process group. dashboard_ports: three
     unused ports, for Ray's dashboard on the head (its job API: `ray job submit --address
     http://<head>:<first port>`) and each node's dashboard agent (by default both agents would
-    take Ray's one default port)."""
+    take Ray's one default port). gpus_per_node: the host's GPUs split between the nodes, the
+    head taking the first ones (each node sees only its own, as on two machines)."""
     ray_cli = str(Path(sys.executable).parent / "ray")
     ray_dir = tempfile.mkdtemp(prefix="rlkit-2n-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
-    common = ["--block", f"--num-cpus={cpus_per_node}", "--disable-usage-stats"]
+    common = ["--block", f"--num-cpus={cpus_per_node}", "--disable-usage-stats", f"--num-gpus={gpus_per_node}"]
+    node_envs = [{**env, "CUDA_VISIBLE_DEVICES": ",".join(str(n * gpus_per_node + g) for g in range(gpus_per_node))}
+                 if gpus_per_node else env for n in range(2)]
     nodes = []
     try:
         # port 0: the head binds a free port itself (a port chosen here could be taken before it binds)
@@ -60,7 +64,7 @@ def two_local_nodes(env: dict, log_dir: Path, cpus_per_node: int = 1, dashboard_
                  *([f"--dashboard-host={NODES[0]}", f"--dashboard-port={dashboard_ports[0]}",
                     f"--dashboard-agent-listen-port={dashboard_ports[1]}"] if dashboard_ports else
                    ["--include-dashboard=false"]),
-                 f"--temp-dir={ray_dir}", *common], stdout=log, stderr=subprocess.STDOUT, env=env,
+                 f"--temp-dir={ray_dir}", *common], stdout=log, stderr=subprocess.STDOUT, env=node_envs[0],
                 start_new_session=True))
         address_file, deadline = Path(ray_dir) / "ray_current_cluster", time.monotonic() + 120
         while not (address_file.is_file() and address_file.read_text().strip()):
@@ -73,7 +77,7 @@ def two_local_nodes(env: dict, log_dir: Path, cpus_per_node: int = 1, dashboard_
             nodes.append(subprocess.Popen(
                 [ray_cli, "start", f"--address={address}", f"--node-ip-address={NODES[1]}", *common,
                  *([f"--dashboard-agent-listen-port={dashboard_ports[2]}"] if dashboard_ports else [])],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+                stdout=log, stderr=subprocess.STDOUT, env=node_envs[1], start_new_session=True))
         yield address
     finally:
         for node in reversed(nodes):
