@@ -49,10 +49,21 @@ class Environment:
 
     Besides `step` (and `setup`, for what is slow to load), four optional class-level
     declarations let a run that cannot work stop before any worker starts: `metadata_fields`,
-    `check_host`, `check_arguments` and `reference_response`."""
+    `check_host`, `check_arguments` and `reference_response`; `start_services` starts what the
+    workers share (a model server)."""
 
     # the row fields step() reads from metadata: a prompt row without one is an error at load
     metadata_fields: tuple[str, ...] = ()
+    # what start_services started, by name, set in each worker before setup(); none without a pool (rlkit env check)
+    services: dict[str, Any] = {}
+
+    @classmethod
+    def start_services(cls, **kwargs) -> dict[str, Any]:
+        """Ray actors the environment's workers share (e.g. a model server that batches their
+        requests), by name, started with these constructor arguments (every one, defaults filled
+        in) by the environment pool before its workers and stopped with it: a replaced worker
+        leaves them running. Each worker's environment finds them in `self.services`."""
+        return {}
 
     @classmethod
     def check_host(cls, **kwargs) -> str | None:
@@ -141,6 +152,22 @@ def load_environment(target: str, kwargs: dict) -> Environment:
     raise TypeError(f"{target} is neither an rlkit.envs.Environment subclass nor a scoring function")
 
 
+def start_services(target: str, kwargs: dict) -> dict[str, Any]:
+    """The services of the environment `target` names (Environment.start_services); a scoring
+    function has none."""
+    obj = import_target(target)
+    if inspect.isclass(obj) and issubclass(obj, Environment):
+        return obj.start_services(**constructor_arguments(obj, kwargs))
+    return {}
+
+
+def constructor_arguments(cls: type, kwargs: dict) -> dict:
+    """kwargs with the constructor's defaults filled in."""
+    defaults = {name: p.default for name, p in _constructor_parameters(cls).items()
+                if p.default is not inspect.Parameter.empty}
+    return {**defaults, **kwargs}
+
+
 def check_environment_config(target: str, kwargs: dict) -> str | None:
     """None if `target` imports, accepts `kwargs` and can run here (Environment.check_host);
     otherwise the reason, naming the key."""
@@ -162,8 +189,7 @@ def check_environment_config(target: str, kwargs: dict) -> str | None:
             annotation = inspect.formatannotation(param.annotation)
             return (f"env.{key}: {target} takes {annotation} (got: {value!r:.100}, of type {type(value).__name__}); "
                     f"give a value of that type")
-        defaults = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
-        arguments = {**defaults, **kwargs}
+        arguments = constructor_arguments(obj, kwargs)
         problem = obj.check_host(**arguments)
         if problem:
             return f"env._target_: {target} cannot run on this machine: {problem}"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import ray
 
 from rlkit.config.schema import EnvRunnerConfig
-from rlkit.envs.base import EnvStep, as_env_step, load_environment
+from rlkit.envs.base import EnvStep, as_env_step, load_environment, start_services
 
 log = logging.getLogger("rlkit")
 
@@ -43,6 +43,8 @@ def safe_step(env, messages: list[dict], metadata: dict, timeout_s: float,
     try:
         value = future.result(timeout=timeout_s)
     except FutureTimeout:
+        if future.done():  # step() raised TimeoutError itself (its own wait ran out, e.g. on a model server)
+            return StepOutcome(None, "timeout", traceback.format_exc(), time.perf_counter() - start), False
         return StepOutcome(None, "timeout", f"step() did not return within {timeout_s}s "
                                             "(env_runner.timeout_s)", timeout_s), True
     except Exception:  # noqa: BLE001 - user code may raise anything
@@ -70,13 +72,16 @@ NO_FAILURES = {"env/failures": 0, **{key: 0 for key in FAILURE_COUNTS.values()}}
 
 class EnvWorker:
     """One environment instance in its own process. A call stuck in user code is abandoned
-    (its thread cannot be killed); the controller replaces a worker that reports one."""
+    (its thread cannot be killed); the controller replaces a worker that reports one. services:
+    the pool's (Environment.start_services), for the environment's setup."""
 
-    def __init__(self, target: str, kwargs: dict, timeout_s: float, python_path: str = ""):
+    def __init__(self, target: str, kwargs: dict, timeout_s: float, python_path: str = "",
+                 services: dict | None = None):
         if python_path:  # as the driver's: for this import, and for any Python the environment starts
             sys.path[:0] = [p for p in python_path.split(os.pathsep) if p not in sys.path]
             os.environ["PYTHONPATH"] = python_path
         self.env = load_environment(target, kwargs)
+        self.env.services = services or {}
         self.env.setup()
         self.timeout_s = timeout_s
 
@@ -112,6 +117,7 @@ class EnvironmentPool:
         # num_cpus=0: environments are light, and the placement group may hold every CPU of the
         # cluster for policy and generation workers
         self._remote = ray.remote(num_cpus=0)(EnvWorker)
+        self.services = start_services(self.target, self.kwargs)
         self.workers = [self._spawn() for _ in range(cfg.num_workers)]
         self._logged_failure = False
         # an environment that cannot start (e.g. the code sandbox without bubblewrap) stops the run
@@ -123,7 +129,7 @@ class EnvironmentPool:
             raise EnvironmentFailure(f"environment {self.target} could not start: {e}") from e
 
     def _spawn(self):
-        return self._remote.remote(self.target, self.kwargs, self.cfg.timeout_s, self.python_path)
+        return self._remote.remote(self.target, self.kwargs, self.cfg.timeout_s, self.python_path, self.services)
 
     def step(self, items: list[tuple[list[dict], dict]]) -> list[Stepped]:
         """One step for each (messages, metadata), in order; failed calls get
@@ -177,8 +183,8 @@ class EnvironmentPool:
                        {"env/failures": 1, FAILURE_COUNTS[outcome.failure]: 1}, outcome.seconds)
 
     def shutdown(self):
-        for worker in self.workers:
-            ray.kill(worker)
+        for actor in [*self.workers, *self.services.values()]:
+            ray.kill(actor)
 
 
 class ConcurrentSteps:

@@ -1,0 +1,86 @@
+"""The local HF model directories that model rewards load: what one must hold, checked as the
+config loads (its config.json and tokenizer, no weights), and loading one, where running out of
+memory is one line naming the model and what to do."""
+
+import json
+from pathlib import Path
+
+# the Auto class each kind of model loads with, and the ending of the architecture its config.json names
+REWARD_MODEL = ("AutoModelForSequenceClassification", "ForSequenceClassification")
+CAUSAL_LM = ("AutoModelForCausalLM", "ForCausalLM")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def model_dir_problem(key: str, path: str, kind: tuple[str, str]) -> str | None:
+    """Why `path` is not a directory of `kind` (REWARD_MODEL: one score, num_labels=1), naming
+    the env key; None if it is."""
+    auto_class, suffix = kind
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return (f"{key}: {path} is not a local HF model directory (no config.json there); give a directory "
+                f"saved by {auto_class}.save_pretrained")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return f"{key}: cannot read {config_file} ({e}); give a directory saved by {auto_class}.save_pretrained"
+    architectures = config.get("architectures") or []
+    if not any(name.endswith(suffix) for name in architectures):
+        return (f"{key}: {path} holds no *{suffix} model (config.json architectures: {architectures}); give a "
+                f"directory saved by {auto_class}.save_pretrained")
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+    if kind == REWARD_MODEL and labels != 1:
+        return (f"{key}: {path} has {labels} labels; a reward model gives one score (num_labels=1): export it "
+                f"with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)")
+    return None
+
+
+def tokenizer_problem(key: str, path: str, needs_chat_template: bool) -> str | None:
+    """Why the tokenizer in `path` cannot render the conversations (no chat template where
+    needed, no pad or EOS token to batch with), naming the env key; None if it can."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - whatever the files lack, the user's to see
+        return f"{key}: no tokenizer loads from {path} ({type(e).__name__}: {e}); save the model's tokenizer there"
+    if needs_chat_template and not tokenizer.chat_template:
+        return (f"{key}: the tokenizer in {path} has no chat template to render the conversation with; save one "
+                f"with the model (tokenizer.chat_template), or set env.chat_template=false to score the prompt "
+                f"and response as plain text")
+    if tokenizer.pad_token is None and tokenizer.eos_token is None:
+        return f"{key}: the tokenizer in {path} has neither a pad nor an EOS token to batch with; set pad_token " \
+               f"in its tokenizer_config.json"
+    return None
+
+
+def dtype_problem(dtype: str) -> str | None:
+    if dtype not in DTYPES:
+        return f"env.dtype: must be one of {list(DTYPES)} (got: {dtype!r}); auto keeps the checkpoint's"
+    return None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    import torch
+
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(error, RuntimeError) and ("out of memory" in str(error) or "can't allocate memory" in str(error)))
+
+
+def load_model(kind: tuple[str, str], path: str, device: str, dtype: str, what: str):
+    """The model in `path` on `device`, in eval mode. Out of memory is a MemoryError of one
+    line naming the model and what to do."""
+    import transformers
+
+    try:
+        model = getattr(transformers, kind[0]).from_pretrained(path, dtype=dtype)
+        return model.to(device).eval()
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        raise MemoryError(out_of_memory_line(what, device)) from None
+
+
+def out_of_memory_line(what: str, device: str) -> str:
+    where = "its GPU" if device.startswith("cuda") else "this machine's memory"
+    return (f"{what}: out of memory loading it on {device}: it does not fit in {where}; give it a GPU of its own "
+            f"(env.num_gpus=1), a smaller dtype (env.dtype=bfloat16) or a smaller model")
