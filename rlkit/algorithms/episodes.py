@@ -19,6 +19,7 @@ from rlkit.data.batch import Batch, right_pad
 from rlkit.data.generation import SamplingParams
 from rlkit.data.prompts import Prompt, PromptRenderer
 from rlkit.envs.runner import NO_FAILURES, EnvironmentPool, Stepped
+from rlkit.envs.reward_models.metrics import score_means
 from rlkit.envs.tools.toolbox import valid_fraction
 from rlkit.observability.metrics import PhaseTimer
 
@@ -107,7 +108,7 @@ class Episodes:
                     f"{split}/accuracy_scored": int(scored.sum())} if scored.any() else {}
         return {f"{split}/reward": self.rewards.mean().item(), **accuracy,
                 f"{split}/response_length": self.batch["response_mask"].sum(1).mean().item(), **self.metrics,
-                **valid_fraction(self.metrics)}
+                **valid_fraction(self.metrics), **score_means(self.metrics)}
 
     def select(self, rows: list[int]) -> "Episodes":
         """These rows, in this order; metrics stay those of the whole rollout."""
