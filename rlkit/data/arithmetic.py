@@ -4,7 +4,7 @@ synthetic set data.synthetic asks for, of either kind."""
 import random
 
 from rlkit.config.schema import ArithmeticSetConfig, ConfigError
-from rlkit.data.word_problems import word_problem_splits
+from rlkit.data.word_problems import hard_word_problem_splits, word_problem_splits
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -30,7 +30,8 @@ def arithmetic_splits(cfg: ArithmeticSetConfig) -> tuple[list[dict], list[dict]]
 
 
 # data.synthetic.kind -> (config) -> (train rows, validation rows)
-SYNTHETIC_SETS = {"arithmetic": arithmetic_splits, "word_problems": word_problem_splits}
+SYNTHETIC_SETS = {"arithmetic": arithmetic_splits, "word_problems": word_problem_splits,
+                  "word_problems_hard": hard_word_problem_splits}
 
 
 def synthetic_splits(cfg: ArithmeticSetConfig) -> tuple[list[dict], list[dict]]:

@@ -253,7 +253,7 @@ ERRORS = [
     ("synthetic-operation", ["data.synthetic.operations=['^']"], "data.synthetic.operations",
      ["['^']", "choose from ['+', '-', '*']"], ["data.synthetic.operations=['*']"]),
     ("synthetic-kind", ["data.synthetic.kind=geometry"], "data.synthetic.kind",
-     ["must be one of ['arithmetic', 'word_problems']", "(got: 'geometry')"], ["data.synthetic.kind=word_problems"]),
+     ["must be one of ['arithmetic', 'word_problems', 'word_problems_hard']", "(got: 'geometry')"], ["data.synthetic.kind=word_problems"]),
     # env.* keys against the constructor's annotations: a bool is no float, an int is
     ("env-key-type", ["env=math", "env.correct_reward=true"], "env.correct_reward",
      ["rlkit.envs.math_answers.MathEnv takes float", "(got: True, of type bool)"],
