@@ -75,9 +75,13 @@ def warm_start_on_answers(cfg: RootConfig, policy, tokenizer, data: TrainingData
     w = cfg.algorithm.warm_start
     env = load_environment(cfg.env["_target_"], {k: v for k, v in cfg.env.items() if k != "_target_"})
     first = data.train[0]
-    example = episode_example(env, prompt_renderer(cfg, tokenizer), tokenizer.eos_token_id) \
+    example = episode_example(env, prompt_renderer(cfg, tokenizer), tokenizer.eos_token_id, w.direct_fraction,
+                              cfg.run.seed) \
         if env.reference_turns(first.messages, first.metadata) is not None else answer_example(tokenizer)
-    sft_steps(policy, example, tokenizer.pad_token_id, data.train, w.sft_steps, w.batch_size, w.lr, cfg.run.seed)
+    try:
+        sft_steps(policy, example, tokenizer.pad_token_id, data.train, w.sft_steps, w.batch_size, w.lr, cfg.run.seed)
+    finally:
+        env.close()
 
 
 def policy_objective(cfg: RootConfig, kl_in_loss: bool) -> PolicyGradient:

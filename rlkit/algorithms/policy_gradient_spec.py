@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Optional, Protocol
 from omegaconf import MISSING
 
 from rlkit.algorithms.registry import POLICY_LOSSES, AlgorithmConfig, AlgorithmSpec, Lazy, own_policy_loss
-from rlkit.algorithms.warm_start import validate_warm_start
+from rlkit.algorithms.warm_start import validate_episode_warm_start
 from rlkit.config.choices import IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
-from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig, check_choice, check_positive
+from rlkit.config.schema import ConfigError, EpisodeWarmStartConfig, RootConfig, check_choice, check_positive
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +43,7 @@ class PolicyGradientConfig(AlgorithmConfig):
     overlong_penalty_factor: float = MISSING
     max_staleness: int = MISSING
     val_greedy: bool = MISSING
-    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    warm_start: EpisodeWarmStartConfig = field(default_factory=EpisodeWarmStartConfig)
 
 
 def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
@@ -77,7 +77,7 @@ def validate(cfg: RootConfig, dp: int, min_group_size: int = 1) -> None:
                           f"response budget {max_response_tokens(cfg)} and a factor >= 0 (got: {a.overlong_buffer}, "
                           f"{a.overlong_penalty_factor}); e.g. a quarter of generation.max_new_tokens and 1.0, or 0 "
                           f"to turn the penalty off")
-    validate_warm_start(cfg, dp)
+    validate_episode_warm_start(cfg, dp)
     if a.max_staleness < 0 or (a.max_staleness > 0 and cfg.cluster.placement != "disaggregated"):
         raise ConfigError(f"algorithm.max_staleness: must be >= 0, and > 0 only with cluster.placement=disaggregated "
                           f"(colocated generation and training take turns on the same devices) (got: "

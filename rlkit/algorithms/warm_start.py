@@ -2,6 +2,7 @@
 
 import logging
 import os
+import random
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -27,16 +28,20 @@ def answer_example(tokenizer) -> Callable:
     return example
 
 
-def episode_example(env, renderer, eos_id: int) -> Callable:
+def episode_example(env, renderer, eos_id: int, direct_fraction: float = 0.0, seed: int = 0) -> Callable:
     """A prompt's example as a whole episode: the environment's reference turns for the row
     (env.reference_turns: what the model should write, e.g. a tool call, then the answer), each
     + EOS and trained on, with what the environment answers each one (tool results, observations)
-    appended as a run appends them, not trained on."""
-    tokenizer = renderer.tokenizer
+    appended as a run appends them, not trained on. A direct_fraction of the examples, drawn
+    from `seed`, answer at once instead (the row's answer as answer_example trains on it), so the
+    model learns both to call tools and to answer without them."""
+    tokenizer, rng = renderer.tokenizer, random.Random(seed)
 
     def example(prompt) -> tuple[list[int], list[bool]]:
         ids, trained, messages = list(prompt.token_ids), [False] * len(prompt.token_ids), list(prompt.messages)
-        for content in env.reference_turns(prompt.messages, prompt.metadata):
+        direct = rng.random() < direct_fraction
+        turns = [str(prompt.metadata["answer"])] if direct else env.reference_turns(prompt.messages, prompt.metadata)
+        for content in turns:
             generated = tokenizer(content, add_special_tokens=False)["input_ids"] + [eos_id]
             ids, trained = ids + generated, trained + [True] * len(generated)
             messages.append({"role": "assistant", "content": content})
@@ -99,16 +104,27 @@ def validate_warm_start(cfg: RootConfig, dp: int) -> None:
         check_transformer_engine_packing("algorithm.warm_start.sft_steps", "algorithm.warm_start.sft_steps=0")
 
 
+def validate_episode_warm_start(cfg: RootConfig, dp: int) -> None:
+    """RL's warm start (EpisodeWarmStartConfig): the shared checks and its share of direct answers."""
+    validate_warm_start(cfg, dp)
+    fraction = cfg.algorithm.warm_start.direct_fraction
+    if not 0 <= fraction <= 1:
+        raise ConfigError(f"algorithm.warm_start.direct_fraction: must be in [0, 1], a share of the warm start's "
+                          f"episodes (got: {fraction}); e.g. 0.3 for three in ten answered without tools")
+
+
 def warm_start_dir(cfg: RootConfig, model_dir: Path, resume_from: Path | None, uses_reference: bool,
                    *data_identity) -> tuple[Path, Path | None]:
     """(directory the policy starts from, warm-start directory still to be written or None).
-    The cache key covers the model, the warm-start settings, the data section and data_identity
-    (e.g. the data files' sizes and times), so a change to any of them trains a new warm start.
-    A warm start tunes every weight, with or without policy.peft (see rlkit/launch/run.py)."""
+    The cache key covers the model, the warm-start settings, the environment's class (whose
+    reference turns an RL warm start may train on: tool calls or not), the data section and
+    data_identity (e.g. the data files' sizes and times), so a change to any of them trains a new
+    warm start. A warm start tunes every weight, with or without policy.peft (see rlkit/launch/run.py)."""
     w = cfg.algorithm.warm_start
     if w.sft_steps == 0:
         return model_dir, None
-    key = cache_key(str(model_dir), w.sft_steps, w.batch_size, w.lr, cfg.data, cfg.run.seed, *data_identity)
+    env_class = cfg.env["_target_"] if cfg.env else None
+    key = cache_key(str(model_dir), w, env_class, cfg.data, cfg.run.seed, *data_identity)
     warm_dir = Path(cfg.run.cache_dir).resolve() / f"warm-start-{key}"
     if (warm_dir / "config.json").is_file():
         log.info("warm start: using the cached SFT checkpoint %s", warm_dir)

@@ -99,6 +99,11 @@ class Environment:
     def step(self, messages: list[dict], metadata: dict) -> EnvStep:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Called where rlkit steps the environment in a process of its own (the warm start, on
+        the driver) once it is done with it: stop what the steps started there. Environment
+        workers need none: their processes end with the run."""
+
 
 class FunctionEnvironment(Environment):
     """Wraps a single-turn scoring function score(response, metadata) -> float."""

@@ -10,9 +10,10 @@ code.py     PythonSandbox.run_python: model-written programs as a tool, in the c
 
 from rlkit.envs.tools.environment import ToolEnvironment, environment_tools
 from rlkit.envs.tools.parsing import PARSERS, ParsedTurn, ToolCall, ToolCallParser, load_parser
+from rlkit.envs.tools.process import ToolArgumentError
 from rlkit.envs.tools.schema import ToolDefinitionError, tool_schema
 from rlkit.envs.tools.toolbox import FAILURES, ToolBox, ToolResult, methods_of, tool_metrics, valid_fraction
 
-__all__ = ["FAILURES", "PARSERS", "environment_tools", "ParsedTurn", "ToolBox", "ToolCall", "ToolCallParser",
-           "ToolDefinitionError", "ToolEnvironment", "ToolResult",
+__all__ = ["FAILURES", "PARSERS", "environment_tools", "ParsedTurn", "ToolArgumentError", "ToolBox", "ToolCall",
+           "ToolCallParser", "ToolDefinitionError", "ToolEnvironment", "ToolResult",
            "load_parser", "methods_of", "tool_metrics", "tool_schema", "valid_fraction"]

@@ -79,6 +79,12 @@ class ToolEnvironment(Environment):
     def setup(self) -> None:
         self.toolbox  # its schemas import transformers: seconds, more on a loaded machine
 
+    def close(self) -> None:
+        # the tool process, forked from this one, holds copies of its files and pipes (a run's
+        # process-group lifeline among them: the run would wait for it at its end)
+        if "_toolbox" in self.__dict__:
+            self._toolbox.process.stop()
+
     def tool_schemas(self) -> list[dict]:
         """What the chat template shows the model (PromptRenderer's tools)."""
         return self.toolbox.schemas

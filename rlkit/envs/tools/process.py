@@ -26,10 +26,15 @@ from typing import Callable
 _FORK = multiprocessing.get_context("fork")
 
 
+class ToolArgumentError(ValueError):
+    """What a tool raises to refuse the values it was called with (a division that is not exact):
+    the model's mistake, answered and counted as bad arguments, never a fault of the tool."""
+
+
 @dataclass(frozen=True)
 class Reply:
     value: str | None  # the tool's return value as text; None when it failed
-    failure: str | None = None  # "raised" or "timeout"
+    failure: str | None = None  # "raised", "refused" (ToolArgumentError) or "timeout"
     error: str = ""  # what went wrong, in one line: "KeyError: 'x'"
     where: str = ""  # the line of the tool's code that raised: "my_tools.py:12"
     seconds: float = 0.0
@@ -58,11 +63,11 @@ class ToolProcess:
             self.stop()
             return Reply(None, "timeout", f"did not finish within {timeout_s:g} s", seconds=time.perf_counter() - start)
         try:
-            value, error, where = self.pipe.recv()
+            value, failure, error, where = self.pipe.recv()
         except EOFError:  # the tool ended its own process (os._exit, a signal, a crash in native code)
-            value, error, where = None, f"nothing: its process ended with exit code {self.stop()}", ""
-        seconds = time.perf_counter() - start
-        return Reply(value, seconds=seconds) if error is None else Reply(None, "raised", error, where, seconds)
+            value, failure, where = None, "raised", ""
+            error = f"nothing: its process ended with exit code {self.stop()}"
+        return Reply(value, failure, error, where, time.perf_counter() - start)
 
     @property
     def pid(self) -> int | None:
@@ -93,6 +98,10 @@ class ToolProcess:
 def _serve(pipe, tools: dict[str, Callable], as_text: Callable[[object], str]) -> None:
     """The child: answer calls until the parent closes the pipe (or dies)."""
     os.setpgid(0, 0)  # a group of its own, so that a kill reaches what the tool started
+    # not the parent's handlers (a run's SIGTERM checkpoints and stops): multiprocessing ends a
+    # forked child the parent still holds at exit with SIGTERM, and then waits for it
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_DFL)
     threading.Thread(target=_die_with_parent, daemon=True).start()
     while True:
         try:
@@ -100,10 +109,12 @@ def _serve(pipe, tools: dict[str, Callable], as_text: Callable[[object], str]) -
         except EOFError:
             return
         try:
-            reply = (as_text(tools[name](**arguments)), None, "")
+            reply = (as_text(tools[name](**arguments)), None, "", "")
+        except ToolArgumentError as e:
+            reply = (None, "refused", str(e), "")
         except BaseException as e:  # noqa: BLE001 - the model's to see, SystemExit included
             frame = traceback.extract_tb(e.__traceback__)[-1]
-            reply = (None, f"{type(e).__name__}: {e}", f"{os.path.basename(frame.filename)}:{frame.lineno}")
+            reply = (None, "raised", f"{type(e).__name__}: {e}", f"{os.path.basename(frame.filename)}:{frame.lineno}")
         pipe.send(reply)
 
 

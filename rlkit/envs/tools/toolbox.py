@@ -6,7 +6,8 @@ timeout):
   malformed      the call could not be read (not JSON, no name, arguments not an object)
   partial        the turn ended inside a call (cut off by the token budget)
   unknown_tool   no tool of that name
-  bad_arguments  missing, unexpected or mistyped arguments (checked against the annotations)
+  bad_arguments  missing, unexpected or mistyped arguments (checked against the annotations), or
+                 values the tool refused (it raised ToolArgumentError: 7 / 2 to an exact division)
   raised         the tool raised an exception (or ended its own process)
   timeout        the tool did not return within the time limit: its process is killed
 
@@ -89,6 +90,9 @@ class ToolBox:
         if reply.failure == "timeout":
             return ToolResult(name, f"Error: {name} did not finish within {self.timeout_s:g} s.", "timeout",
                               reply.seconds, f"tool {name} {reply.error} (stopped, counted in tools/timeout)")
+        if reply.failure == "refused":
+            return ToolResult(name, f"Error: {name}{self.signatures[name]}: {reply.error}.", "bad_arguments",
+                              reply.seconds)
         if reply.failure == "raised":
             where = f" ({reply.where})" if reply.where else ""
             return ToolResult(name, f"Error: {name} raised {reply.error}", "raised", reply.seconds,
