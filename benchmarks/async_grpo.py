@@ -14,21 +14,19 @@ where a call's time is limited; the ratios are over every run there.
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from train_runs import add_run_options, train
+
 PHASES = ["timing/step", "timing/rollout_wait", "timing/generate", "timing/logprobs", "timing/train", "timing/refit"]
 
 
-def overrides(staleness: int, steps: int, refit: str, work_dir: Path, cache_dir: Path) -> list[str]:
+def overrides(staleness: int, steps: int, refit: str, cache_dir: Path) -> list[str]:
     return ["cluster.placement=disaggregated", f"refit={refit}", f"algorithm.max_staleness={staleness}",
             f"algorithm.off_policy_correction={'token_tis' if staleness else 'none'}",
             f"algorithm.num_steps={steps}", f"algorithm.val_every={max(steps // 2, 1)}", "checkpoint.every=0",
-            f"run.output_dir={work_dir}", f"run.name=staleness_{staleness}", f"run.cache_dir={cache_dir}"]
+            f"run.cache_dir={cache_dir}"]
 
 
 def summarize(history: list[dict]) -> dict:
@@ -48,11 +46,7 @@ def main():
     parser.add_argument("--staleness", default="0,1", help="comma-separated max_staleness values to run")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--refit", default="nccl", help="nccl (GPUs) | cpu")
-    parser.add_argument("--work-dir", default="/tmp/rlkit_async")
-    parser.add_argument("--cache-dir", default=str(ROOT / ".rlkit_cache"), help="where the recipe finds its model")
-    parser.add_argument("--timeout", type=int, default=280, help="seconds per run")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("extra", nargs="*", help="more rlkit key=value overrides, for every run")
+    add_run_options(parser, "/tmp/rlkit_async", 280)
     args = parser.parse_args()
     work_dir, out = Path(args.work_dir), Path(args.out)
     workload = {"recipe": args.recipe, "steps": args.steps}
@@ -60,15 +54,9 @@ def main():
     runs = {int(k): v for k, v in earlier["runs"].items()} if {k: earlier.get(k) for k in workload} == workload else {}
     result = {**workload, "runs": runs}
     for staleness in map(int, args.staleness.split(",")):
-        shutil.rmtree(work_dir / f"staleness_{staleness}", ignore_errors=True)  # a finished run would only say so
-        work_dir.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "rlkit.cli", "train", "--config-name", args.recipe,
-                   *overrides(staleness, args.steps, args.refit, work_dir, Path(args.cache_dir)), *args.extra]
-        with open(work_dir / f"staleness_{staleness}.log", "w") as log:
-            subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, check=True, cwd=ROOT)
-        history = [json.loads(line) for line in (work_dir / f"staleness_{staleness}" / "metrics.jsonl").read_text()
-                   .splitlines()]
-        result["runs"][staleness] = {"command": " ".join(command[1:]), **summarize(history)}
+        command, history = train(args.recipe, [*overrides(staleness, args.steps, args.refit, Path(args.cache_dir)),
+                                               *args.extra], work_dir, f"staleness_{staleness}", args.timeout)
+        result["runs"][staleness] = {"command": command, **summarize(history)}
     sync_step = result["runs"][0]["median"]["timing/step"] if 0 in result["runs"] else float("nan")
     for staleness, run in sorted(result["runs"].items()):
         run["step_over_sync"] = run["median"]["timing/step"] / sync_step

@@ -147,8 +147,9 @@ def run_episodes(prompts: list[Prompt], renderer: PromptRenderer, generation: Ge
                  timer: PhaseTimer | None = None, samples_per_prompt: int = 1) -> Episodes:
     """samples_per_prompt episodes of each prompt, adjacent, the prompt's group (group id: the
     prompt's index), in prompt order. timer, if given, accumulates the "generate" and "reward"
-    (environment) phases over turns; with env_runner.flow=per_trajectory the two overlap, and
-    "generate" is the whole rollout."""
+    (environment) phases over turns; with env_runner.flow=per_trajectory the two overlap,
+    "generate" is the whole rollout and "generate_busy" the part of it the engines had requests
+    in flight (the mean over engines)."""
     timer = timer or PhaseTimer()
     episodes = [Episode(token_ids=list(p.token_ids), trained=[False] * len(p.token_ids),
                         logprobs=[0.0] * len(p.token_ids), messages=list(p.messages), metadata=p.metadata,
@@ -156,7 +157,8 @@ def run_episodes(prompts: list[Prompt], renderer: PromptRenderer, generation: Ge
                 for group, p in enumerate(prompts) for _ in range(samples_per_prompt)]
     if cfg.flow == "per_trajectory":
         with timer("generate"):
-            run_trajectories(episodes, renderer, generation, envs, params, cfg)
+            busy = run_trajectories(episodes, renderer, generation, envs, params, cfg)
+        timer.add("generate_busy", busy)
     else:
         _run_turns(episodes, renderer, generation, envs, params, cfg, timer)
     return _collate(episodes, renderer.tokenizer.pad_token_id)

@@ -46,13 +46,15 @@ def request_seed(rollout_seed: int, episode: int, turn: int) -> int:
 
 
 def run_trajectories(episodes: list[Episode], renderer: PromptRenderer, generation: GenerationWorkers,
-                     envs: EnvironmentPool, params: SamplingParams, cfg: EnvRunnerConfig) -> None:
-    """Every episode to its end, each on its own (params.seed: the rollout's)."""
-    asyncio.run(_run_all(episodes, renderer, generation, envs, params, cfg))
+                     envs: EnvironmentPool, params: SamplingParams, cfg: EnvRunnerConfig) -> float:
+    """Every episode to its end, each on its own (params.seed: the rollout's). Returns how long
+    the engines had requests in flight, in seconds, the mean over engines: the rest of the
+    rollout they waited for environment steps (or for requests to arrive)."""
+    return asyncio.run(_run_all(episodes, renderer, generation, envs, params, cfg))
 
 
 async def _run_all(episodes: list[Episode], renderer: PromptRenderer, generation: GenerationWorkers,
-                   envs: EnvironmentPool, params: SamplingParams, cfg: EnvRunnerConfig) -> None:
+                   envs: EnvironmentPool, params: SamplingParams, cfg: EnvRunnerConfig) -> float:
     environment = envs.concurrent_steps()
     async with GenerationRequests(generation) as engines:
 
@@ -66,3 +68,4 @@ async def _run_all(episodes: list[Episode], renderer: PromptRenderer, generation
                 episode.add_step(stepped, ids, renderer, cfg)
 
         await asyncio.gather(*(trajectory(i, e) for i, e in enumerate(episodes)))
+    return engines.busy_seconds / len(engines.workers)

@@ -2,6 +2,7 @@
 each, from many trajectories at once, answered one by one as the engines finish them."""
 
 import asyncio
+import time
 
 from rlkit.cluster.groups import GenerationWorkers
 from rlkit.cluster.worker_group import WorkerError
@@ -24,6 +25,7 @@ class GenerationRequests:
         self.waiting: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
         self.arrived = asyncio.Event()
         self.free_engines = len(self.workers)
+        self.busy_seconds = 0.0  # added up over the engines: how long each had requests in flight
 
     async def __aenter__(self) -> "GenerationRequests":
         self.engines = [asyncio.create_task(self._serve(rank)) for rank in range(len(self.workers))]
@@ -52,6 +54,7 @@ class GenerationRequests:
             if not taken:
                 continue
             self.free_engines -= 1
+            start = time.perf_counter()
             try:
                 (ref,) = self.workers.submit(Engine.generate_requests, [p for p, _, _ in taken],
                                              [q for _, q, _ in taken], ranks=[rank])
@@ -67,3 +70,4 @@ class GenerationRequests:
                     answer.set_exception(error)
             finally:
                 self.free_engines += 1
+                self.busy_seconds += time.perf_counter() - start

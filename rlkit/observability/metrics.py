@@ -32,8 +32,12 @@ class PhaseTimer:
         try:
             yield
         finally:
-            key = f"{self.prefix}{phase}"
-            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+            self.add(phase, time.perf_counter() - start)
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Seconds measured elsewhere (e.g. in a worker), added to the phase's."""
+        key = f"{self.prefix}{phase}"
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
 
 
 def read_history(run_dir: Path, up_to_step: int) -> list[dict]:

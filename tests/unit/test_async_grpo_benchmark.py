@@ -9,12 +9,12 @@ import async_grpo  # noqa: E402
 
 
 def test_each_mode_is_disaggregated_and_async_ones_are_corrected():
-    sync = async_grpo.overrides(0, 12, "nccl", Path("/w"), Path("/c"))
-    stale = async_grpo.overrides(2, 12, "nccl", Path("/w"), Path("/c"))
+    sync = async_grpo.overrides(0, 12, "nccl", Path("/c"))
+    stale = async_grpo.overrides(2, 12, "nccl", Path("/c"))
     assert "cluster.placement=disaggregated" in sync and "refit=nccl" in sync
     assert "algorithm.max_staleness=0" in sync and "algorithm.off_policy_correction=none" in sync
     assert "algorithm.max_staleness=2" in stale and "algorithm.off_policy_correction=token_tis" in stale
-    assert "run.name=staleness_2" in stale and "algorithm.val_every=6" in stale
+    assert "run.cache_dir=/c" in stale and "algorithm.val_every=6" in stale
 
 
 def test_summary_takes_medians_after_the_first_step_and_keeps_the_curves():
