@@ -14,7 +14,7 @@ from rlkit.algorithms.registry import AlgorithmConfig, AlgorithmSpec
 from rlkit.algorithms.sft import SFT, validate_file_data
 from rlkit.algorithms.warm_start import validate_warm_start
 from rlkit.config.choices import DPO_LOSS_TYPES
-from rlkit.config.schema import ConfigError, RootConfig, WarmStartConfig
+from rlkit.config.schema import ConfigError, PolicyConfig, RootConfig, WarmStartConfig
 from rlkit.data.sft import file_identity, load_tokenized_splits, tokenize_preference_row
 from rlkit.data.stream import ShuffledStream
 
@@ -102,11 +102,12 @@ class DPO(SFT):
 
 
 def warm_start_on_chosen(cfg: RootConfig, policy, tokenizer, data: "TrainingData", out_dir) -> None:
-    """SFT on the chosen responses (packed) before DPO."""
+    """SFT on the chosen responses (packed) before DPO (or a reward model: its pairs hold a margin
+    after these four)."""
     w = cfg.algorithm.warm_start
     sft = SFT(cfg, policy, tokenizer.pad_token_id, [], pack=True, rows_per_step=w.batch_size,
               lr=LearningRateSchedule(w.lr, w.sft_steps))
-    chosen = ShuffledStream([(ids, mask) for ids, mask, _, _ in data.train], w.batch_size, cfg.run.seed)
+    chosen = ShuffledStream([(ids, mask) for ids, mask, _, _, *_ in data.train], w.batch_size, cfg.run.seed)
     for step in range(1, w.sft_steps + 1):
         loss = sft.step(chosen, step)["train/loss"]
         if step % 10 == 0 or step == w.sft_steps:
@@ -134,11 +135,18 @@ def validate(cfg: RootConfig, dp: int) -> None:
     if a.sft_weight < 0:
         raise ConfigError(f"algorithm.sft_weight: must be >= 0 (got: {a.sft_weight}); 0 disables the SFT term")
     validate_warm_start(cfg, dp)
+    check_pairs_in_micro_batches(p, "DPO")
+
+
+def check_pairs_in_micro_batches(p: PolicyConfig, who: str) -> None:
+    """Each chosen/rejected pair's rows (consecutive) stay in one micro-batch, where its loss is
+    computed; `who` (DPO, a reward model) names the algorithm in the message."""
     if p.max_tokens_per_microbatch:
-        raise ConfigError(f"policy.max_tokens_per_microbatch: DPO keeps each chosen/rejected pair in one micro-batch, "
-                          f"which a token budget would split (got: {p.max_tokens_per_microbatch}); set it to 0")
+        raise ConfigError(f"policy.max_tokens_per_microbatch: {who} keeps each chosen/rejected pair in one "
+                          f"micro-batch, which a token budget would split (got: {p.max_tokens_per_microbatch}); "
+                          f"set it to 0")
     if p.micro_batch_size % 2:
-        raise ConfigError(f"policy.micro_batch_size: DPO keeps each chosen/rejected pair in one micro-batch, "
+        raise ConfigError(f"policy.micro_batch_size: {who} keeps each chosen/rejected pair in one micro-batch, "
                           f"so it must be even (got: {p.micro_batch_size})")
 
 

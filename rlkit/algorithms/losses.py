@@ -1,5 +1,5 @@
-"""Policy, preference and value losses: pure functions of token-aligned tensors. Shapes: [B, S]
-unless noted.
+"""Policy, preference, reward-model and value losses: pure functions of token-aligned tensors.
+Shapes: [B, S] unless noted.
 
 Aggregation over tokens is explicit and global: a loss computed on one micro-batch is that
 micro-batch's exact share of the loss over the whole optimizer batch, so gradient accumulation
@@ -287,6 +287,21 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, reference
     reward_margin = reward_chosen - reward_rejected
     return loss, {"reward_chosen": reward_chosen, "reward_rejected": reward_rejected,
                   "reward_margin": reward_margin, "accuracy": (reward_margin > 0).float()}
+
+
+def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+                       margins: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A reward model's loss per pair, from [P] scalar rewards of each pair's chosen and rejected
+    response and [P] margins: -logsigmoid(r_c - r_r - m), the negative log-likelihood of the
+    preference under the Bradley-Terry model (InstructGPT, Ouyang et al. 2022, arXiv:2203.02155),
+    with Llama 2's margin m (Touvron et al. 2023, arXiv:2307.09288): a pair rated far apart asks for
+    a wider gap; m = 0 is the plain loss. Returns (loss [P], metrics of detached [P] tensors, as
+    dpo_loss names them): reward_chosen, reward_rejected, reward_margin = r_c - r_r (the gap), and
+    accuracy = 1 where r_c > r_r (a tie counts as wrong)."""
+    gap = chosen_rewards - rejected_rewards
+    return -F.logsigmoid(gap - margins), {"reward_chosen": chosen_rewards.detach(),
+                                           "reward_rejected": rejected_rewards.detach(),
+                                           "reward_margin": gap.detach(), "accuracy": (gap > 0).float()}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -2,9 +2,9 @@
 PolicyGradient, or a function of one's own: algorithm.policy_loss) to the Batch fields it reads,
 and declares them (`fields`): only those (and the model's inputs) reach the worker's train step.
 The worker stays loss-agnostic and calls `objective(output, micro_batch, totals)` on its model's
-output: token-aligned logprobs [b, S] for a policy, values [b, S] for a critic. An objective
-whose `uses_entropy` is true also finds the policy's token entropy [b, S], with its gradient, in
-the micro-batch's field `entropy` (the worker computes it from the logits).
+output: token-aligned logprobs [b, S] for a policy, values [b, S] for a critic or a reward model.
+An objective whose `uses_entropy` is true also finds the policy's token entropy [b, S], with its
+gradient, in the micro-batch's field `entropy` (the worker computes it from the logits).
 Objectives are frozen dataclasses, so they travel to Ray workers as plain data.
 """
 
@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from rlkit.algorithms.losses import (ClippedPolicyLossConfig, DPOLossConfig, aggregate, clipped_policy_loss, dpo_loss,
-                                     nll_loss, preference_logprobs, value_loss)
+from rlkit.algorithms.losses import (ClippedPolicyLossConfig, DPOLossConfig, aggregate, bradley_terry_loss,
+                                     clipped_policy_loss, dpo_loss, nll_loss, preference_logprobs, value_loss)
 from rlkit.data.batch import Batch, BatchTotals
 
 
@@ -86,14 +86,42 @@ class DirectPreference:
         lengths = mask.sum(dim=1)
         per_pair, metrics = dpo_loss(policy[0::2], policy[1::2], reference[0::2], reference[1::2], lengths[0::2],
                                      lengths[1::2], self.loss)
-        real = (mask[0::2].sum(dim=1) > 0).float()  # all-padding pairs (batch filler) count for nothing
-        loss = (per_pair * real).sum() / max(totals.num_sequences, 1.0)
+        loss, sums = over_pairs(per_pair, {**metrics, "chosen_logprob": policy[0::2], "rejected_logprob": policy[1::2]},
+                                mask, totals)
         if self.loss.sft_weight > 0:
             loss = loss + self.loss.sft_weight * aggregate(-logprobs[0::2], mask[0::2], "token-mean", totals)
-        sums = {k: (v * real).sum().detach() for k, v in metrics.items()}
-        sums["chosen_logprob"] = (policy[0::2] * real).sum().detach()
-        sums["rejected_logprob"] = (policy[1::2] * real).sum().detach()
         return loss, sums
+
+
+@dataclass(frozen=True)
+class BradleyTerry:
+    """A reward model on pairs (rlkit/algorithms/reward_model.py). Rows alternate chosen, rejected,
+    as DirectPreference's do; the model's output is a scalar per position, token-aligned as a
+    critic's values are, and a row's reward is the one where its mask is 1: after its last token,
+    where the value has read the whole sequence. margins [B] holds each pair's margin on its rows;
+    totals.num_sequences counts pairs with a response."""
+
+    mask_key: str = "loss_mask"
+    uses_entropy = False
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.mask_key, "margins")
+
+    def __call__(self, values: torch.Tensor, batch: Batch, totals: BatchTotals):
+        mask = batch[self.mask_key]
+        rewards = torch.where(mask.bool(), values, torch.zeros_like(values)).sum(dim=1)
+        return over_pairs(*bradley_terry_loss(rewards[0::2], rewards[1::2], batch["margins"][0::2]), mask, totals)
+
+
+def over_pairs(per_pair: torch.Tensor, metrics: dict[str, torch.Tensor], mask: torch.Tensor,
+               totals: BatchTotals) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This micro-batch's share of the mean of a pair loss [P] over the batch's pairs with a
+    response (totals.num_sequences), and the sums of per-pair metrics [P] over those pairs (detached):
+    all-padding pairs, the batch's filler, count for nothing. mask: the rows' [2P, S]."""
+    real = (mask[0::2].sum(dim=1) > 0).float()
+    return (per_pair * real).sum() / max(totals.num_sequences, 1.0), {k: (v * real).sum().detach()
+                                                                      for k, v in metrics.items()}
 
 
 @dataclass(frozen=True)

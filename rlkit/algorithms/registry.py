@@ -4,7 +4,7 @@
 
 and one YAML in an `algorithm/` config group (configs/algorithm/<name>.yaml, or a group folder
 next to your own recipes) whose `name` is the module: a built-in short name (grpo, rloo,
-reinforce_pp, ppo, sft, dpo) or an importable module path (`my_package.my_algorithm`). The
+reinforce_pp, ppo, sft, dpo, reward_model) or an importable module path (`my_package.my_algorithm`). The
 launch path (rlkit/launch/run.py) reads the spec: which config keys the algorithm has and how to
 check them, which data and workers it needs, and how to build its trainer.
 
@@ -26,7 +26,7 @@ from omegaconf import MISSING
 from rlkit.config.named import Lazy, NoSuchModule, import_named, named_attribute
 from rlkit.config.schema import ConfigError, RootConfig
 
-BUILTIN = ("grpo", "rloo", "reinforce_pp", "ppo", "sft", "dpo")
+BUILTIN = ("grpo", "rloo", "reinforce_pp", "ppo", "sft", "dpo", "reward_model")
 
 
 @dataclass
@@ -53,6 +53,9 @@ class AlgorithmSpec:
     validate: Callable[[RootConfig, int], None] = no_checks  # its own cross-key checks, given the DP size
     rollouts: bool = False  # needs generation workers, refit and environments
     critic: bool = False  # a second Megatron model beside the policy (PPO)
+    # what the trained model (policy.*) outputs: "lm" token logprobs, or "reward" one scalar per position
+    # (rlkit/workers/policy/megatron.py)
+    head: str = "lm"
     # a short supervised run before training, cached: (cfg, policy, tokenizer, data, out_dir) -> None
     warm_start: Callable | None = None
     # (algorithm config) -> whether it trains against a frozen reference: the weights it started from

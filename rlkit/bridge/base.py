@@ -109,10 +109,11 @@ class ModelBridge(ABC):
 
     @abstractmethod
     def build(self, bf16: bool, wrap_with_ddp: bool, use_distributed_optimizer: bool = False,
-              value_head: bool = False, fp32_lm_head: bool = False) -> list:
-        """Model chunks of this rank; value_head=True swaps the LM head for a ValueHead (a critic)
-        before DDP wraps the model, so DDP and the optimizer see the head's parameters;
-        fp32_lm_head computes the logits in fp32 (common.lm_head_in_fp32)."""
+              value_head: bool = False, fp32_lm_head: bool = False, value_bias: bool = True) -> list:
+        """Model chunks of this rank; value_head=True swaps the LM head for a ValueHead (a critic;
+        value_bias=False: without its bias, a reward model) before DDP wraps the model, so DDP and
+        the optimizer see the head's parameters; fp32_lm_head computes the logits in fp32
+        (common.lm_head_in_fp32)."""
 
     @abstractmethod
     def load_hf_weights(self, chunks: list, hf_dir: str | None = None):
@@ -170,16 +171,11 @@ class ModelBridge(ABC):
         raise NotImplementedError(f"{type(self).__name__} builds no adapters")
 
     def load_trunk_weights(self, critic_chunks: list, bf16: bool):
-        """Initialise a critic from the HF checkpoint: every weight but the LM head (which the
-        critic replaced). Goes through a temporary LM so the bridge's own name mapping is used."""
-        from rlkit.bridge.common import unwrap
+        """Initialise a critic (or a reward model) from the HF checkpoint: every weight but the LM
+        head (which the critic replaced). Goes through a temporary LM so the bridge's own name
+        mapping is used."""
+        from rlkit.bridge.common import copy_trunk
 
         lm = self.build(bf16=bf16, wrap_with_ddp=False)
         self.load_hf_weights(lm)
-        for lm_chunk, critic_chunk in zip(lm, critic_chunks):
-            trunk = {k: v for k, v in unwrap(lm_chunk).state_dict().items() if not k.startswith("output_layer.")}
-            missing, unexpected = unwrap(critic_chunk).load_state_dict(trunk, strict=False)
-            missing = [k for k in missing if not k.startswith("output_layer.") and not k.endswith("_extra_state")]
-            if missing or unexpected:
-                raise RuntimeError(f"critic trunk does not match the policy's: missing {missing[:3]}, "
-                                   f"unexpected {unexpected[:3]}")
+        copy_trunk(lm, critic_chunks)

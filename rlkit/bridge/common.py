@@ -4,6 +4,7 @@ from where one rank holds every weight."""
 
 import inspect
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -69,36 +70,53 @@ def router_gemm_without_te():
         moe_utils.te_general_gemm = None
 
 
-def head_hooks(value_head: bool, fp32_lm_head: bool) -> list[Callable]:
+def head_hooks(value_head: bool, fp32_lm_head: bool, value_bias: bool = True) -> list[Callable]:
     """What to do to each freshly built GPTModel chunk, before DDP wraps it, for these head options."""
-    return [attach_value_head] if value_head else [lm_head_in_fp32] if fp32_lm_head else []
+    if value_head:
+        return [partial(attach_value_head, bias=value_bias)]
+    return [lm_head_in_fp32] if fp32_lm_head else []
 
 
 class ValueHead(torch.nn.Module):
     """Scalar value per position, replicated on every TP rank (its input, the final hidden state,
     is replicated too, so every rank computes the same gradient). Zero-initialised: the critic
-    starts by predicting 0 and learns the scale of the rewards. Called like Megatron's output
+    starts by predicting 0 and learns the scale of the rewards. Without a bias it is a reward
+    model's head, as HF's sequence classifiers' `score` layer is: the Bradley-Terry loss is blind
+    to a constant, so a bias would only drift on rounding noise. Called like Megatron's output
     layer: (hidden [s, b, h], weight=None, ...) -> ([s, b, 1], None)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, bias: bool = True):
         super().__init__()
         # named weight/bias like the LM head's, which Megatron's checkpointing code expects
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.register_parameter("bias", torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None)
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
-def attach_value_head(model):
-    """A critic: the LM head of a GPTModel chunk swapped for ValueHead (on the last stage), before
-    DDP wraps the model, so DDP and the optimizer see the head's parameters."""
+def attach_value_head(model, bias: bool = True):
+    """A critic (or without bias a reward model): the LM head of a GPTModel chunk swapped for
+    ValueHead (on the last stage), before DDP wraps the model, so DDP and the optimizer see the
+    head's parameters."""
     # on every pipeline stage: with the flag left on, the first stage would wait for an embedding
     # gradient all-reduce with a last stage that no longer takes part
     model.share_embeddings_and_output_weights = False
     if model.post_process:
-        model.output_layer = ValueHead(model.config.hidden_size, model.config.params_dtype).to(
+        model.output_layer = ValueHead(model.config.hidden_size, model.config.params_dtype, bias).to(
             next(model.parameters()).device)
+
+
+def copy_trunk(source: list, target: list) -> None:
+    """Every weight but the output layer from the source chunks into the target's: a language
+    model and a critic or reward model built alike, either way round."""
+    for source_chunk, target_chunk in zip(source, target):
+        trunk = {k: v for k, v in unwrap(source_chunk).state_dict().items() if not k.startswith("output_layer.")}
+        missing, unexpected = unwrap(target_chunk).load_state_dict(trunk, strict=False)
+        missing = [k for k in missing if not k.startswith("output_layer.") and not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"the trunks of a language model and a model of a scalar head do not match: missing "
+                               f"{missing[:3]}, unexpected {unexpected[:3]}")
 
 
 def lm_head_in_fp32(model):

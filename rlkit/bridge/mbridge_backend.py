@@ -50,11 +50,12 @@ class MBridge(ModelBridge):
         return self._bridge.config
 
     def build(self, bf16: bool, wrap_with_ddp: bool, use_distributed_optimizer: bool = False,
-              value_head: bool = False, fp32_lm_head: bool = False) -> list:
+              value_head: bool = False, fp32_lm_head: bool = False, value_bias: bool = True) -> list:
         return self._bridge.get_model(
             bf16=bf16, wrap_with_ddp=wrap_with_ddp, use_cpu_initialization=not torch.cuda.is_available(),
             ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": use_distributed_optimizer},
-            post_model_creation_callbacks=[_creation_callback(hook) for hook in head_hooks(value_head, fp32_lm_head)])
+            post_model_creation_callbacks=[_creation_callback(hook)
+                                           for hook in head_hooks(value_head, fp32_lm_head, value_bias)])
 
     def load_hf_weights(self, chunks: list, hf_dir: str | None = None):
         self._bridge.load_weights(chunks, str(hf_dir or self.hf_dir))

@@ -61,8 +61,8 @@ class MegatronBridge(ModelBridge):
         return self._peft is not None
 
     def build(self, bf16: bool, wrap_with_ddp: bool, use_distributed_optimizer: bool = False,
-              value_head: bool = False, fp32_lm_head: bool = False) -> list:
-        hooks = [partial(_each_chunk, hook) for hook in head_hooks(value_head, fp32_lm_head)]
+              value_head: bool = False, fp32_lm_head: bool = False, value_bias: bool = True) -> list:
+        hooks = [partial(_each_chunk, hook) for hook in head_hooks(value_head, fp32_lm_head, value_bias)]
         if self._peft is not None:
             hooks.append(create_peft_hook(self._peft))
         return self._provider.provide_distributed_model(

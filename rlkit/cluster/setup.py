@@ -80,19 +80,21 @@ def _generation_worker(cfg: RootConfig, model_dir: str, pg, placement: Placement
 
 def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
                   with_critic: bool = False, clock: StartupClock | None = None,
-                  pool: WarmPool | None = None, started_cluster: bool | None = None) -> RunWorkers:
+                  pool: WarmPool | None = None, started_cluster: bool | None = None,
+                  policy_head: str = "lm") -> RunWorkers:
     """Policy (and generation) workers on a new placement group; with_critic reserves room on the
-    policy's bundles for the critic that start_critic adds later. clock: where the phases' seconds go.
-    pool: take the workers from it instead (CPU, this node), no placement group. started_cluster:
-    the caller has joined or started Ray already (True: started a local cluster, which the workers'
-    shutdown then stops); None: joined or started here. Workers that fail to start (or a signal
-    meanwhile) stop such a cluster: its logs are kept on an error."""
+    policy's bundles for the critic that start_critic adds later. policy_head: the head of the
+    policy's model (MegatronModelWorker's; "reward": a reward model in its place). clock: where the
+    phases' seconds go. pool: take the workers from it instead (CPU, this node), no placement
+    group. started_cluster: the caller has joined or started Ray already (True: started a local
+    cluster, which the workers' shutdown then stops); None: joined or started here. Workers that
+    fail to start (or a signal meanwhile) stop such a cluster: its logs are kept on an error."""
     clock = clock or StartupClock()
     if started_cluster is None:
         with clock.phase("ray"):
             started_cluster = join_or_start_ray(cfg.cluster, cfg.policy.bridge)
     try:
-        return _start_workers(cfg, model_dir, with_generation, with_critic, clock, pool, started_cluster)
+        return _start_workers(cfg, model_dir, with_generation, with_critic, clock, pool, started_cluster, policy_head)
     except BaseException as error:
         if started_cluster:
             stop_local_ray(keep_logs=not isinstance(error, KeyboardInterrupt))
@@ -100,7 +102,7 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
 
 
 def _start_workers(cfg: RootConfig, model_dir: str, with_generation: bool, with_critic: bool, clock: StartupClock,
-                   pool: WarmPool | None, started_cluster: bool) -> RunWorkers:
+                   pool: WarmPool | None, started_cluster: bool, policy_head: str) -> RunWorkers:
     device = device_kind()
     missing = optional_kernels_missing()
     if missing:
@@ -112,7 +114,8 @@ def _start_workers(cfg: RootConfig, model_dir: str, with_generation: bool, with_
     if pool is not None:
         if device != "CPU":
             raise ValueError(f"a WarmPool holds CPU workers only; this node has {device}s: start the run without one")
-        return _start_groups(cfg, model_dir, None, placement, device, started_cluster, with_generation, clock, pool)
+        return _start_groups(cfg, model_dir, None, placement, device, started_cluster, with_generation, clock,
+                             policy_head, pool)
     pg = placement_group(placement.bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=cfg.cluster.call_timeout_s)
@@ -121,14 +124,15 @@ def _start_workers(cfg: RootConfig, model_dir: str, with_generation: bool, with_
                            f"for cluster.placement={cfg.cluster.placement}; it has {ray.cluster_resources()}. "
                            f"Lower policy.num_workers / generation.num_workers or raise cluster.num_cpus") from None
     try:
-        return _start_groups(cfg, model_dir, pg, placement, device, started_cluster, with_generation, clock)
+        return _start_groups(cfg, model_dir, pg, placement, device, started_cluster, with_generation, clock,
+                             policy_head)
     except BaseException:
         # a worker that failed to start must not leave its bundles reserved for the next attempt
         remove_placement_group(pg)
         raise
 
 
-def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation, clock,
+def _start_groups(cfg, model_dir, pg, placement, device, started, with_generation, clock, policy_head: str,
                   pool: WarmPool | None = None) -> RunWorkers:
     c = cfg.cluster
     # Generation first: vLLM sizes its KV cache from the free memory it measures at start-up,
@@ -146,11 +150,11 @@ def _start_groups(cfg, model_dir, pg, placement, device, started, with_generatio
             else:
                 generation = GenerationWorkers(pool.take("generation", generation_cls, "", generation_args,
                                                          len(placement.generation_bundles), c.call_timeout_s))
-            policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, "lm", pool)
+            policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, policy_head, pool)
             generation.sleep()  # also waits until every engine is up
         clock.add_workers("generation_workers", created, generation.workers.every_rank(Engine.startup_phases))
     else:
-        policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, "lm", pool)
+        policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, policy_head, pool)
     with clock.phase("policy_workers"):
         _set_up(policy, pg, placement)
     clock.add_workers("policy_workers", created, policy.every_rank(TrainingBackend.startup_phases))

@@ -5,8 +5,8 @@ from rlkit.config.choices import TOOL_PROMPTS
 from rlkit.config.schema import ConfigError, FileDataConfig, PromptDataConfig, check_choice, check_positive
 
 # data.name -> config groups of that kind, for error messages
-DATA_GROUPS = {"prompts": "data=arithmetic, gsm8k, math, word_problems or prompt_files",
-               "sft_files": "data=arithmetic_sft", "preference_files": "data=arithmetic_preferences"}
+DATA_GROUPS = {"prompts": "data=arithmetic, gsm8k, math, word_problems or prompt_files", "sft_files": "data=arithmetic_sft",
+               "preference_files": "data=arithmetic_preferences or arithmetic_preferences_large"}
 
 
 def check_data(d: PromptDataConfig | FileDataConfig, algorithm: str, kind: str) -> None:

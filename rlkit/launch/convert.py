@@ -1,17 +1,20 @@
 """`rlkit convert`: a checkpoint's policy as an HF checkpoint, or (a policy.peft run's) an HF PEFT
-adapter. Every check runs before any worker starts: the checkpoint is a complete one and matches
-its manifest (as a resume checks it), and the output is a new or empty folder outside it. The
-export is written into a folder beside the output and renamed into place once complete, so the
-output is whole or absent, and a user's files are never overwritten."""
+adapter; a reward model's as an HF sequence classifier. Every check runs before any worker starts:
+the checkpoint is a complete one and matches its manifest (as a resume checks it), and the output
+is a new or empty folder outside it. The export is written into a folder beside the output and
+renamed into place once complete, so the output is whole or absent, and a user's files are never
+overwritten."""
 
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
+from rlkit.algorithms.registry import load_algorithm
 from rlkit.checkpoint import MANIFEST, DiskWriteError, complete_checkpoints, disk_failure, verify
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.launch.config import to_typed
@@ -19,17 +22,23 @@ from rlkit.models.shape import model_shape
 from rlkit.workers.policy.adapter_base import recorded_base, restored_base
 from rlkit.workers.policy.rules import check_model_layout
 
+if TYPE_CHECKING:  # Ray: the checks run before it is imported
+    from rlkit.cluster.warm_pool import WarmPool
+
 _UNFINISHED = re.compile(r"^step_\d+\.tmp-")
 PEFT_ADAPTER = "HF PEFT adapter"
+REWARD_MODEL = "HF sequence classifier (a reward model)"
 
 
 @dataclass(frozen=True)
 class Conversion:
-    """A checked `rlkit convert`: the policy to rebuild (the run's saved config, over model_dir)
-    and what it writes, `kind`: an HF checkpoint, or the adapters alone as an HF PEFT adapter."""
+    """A checked `rlkit convert`: the policy to rebuild (the run's saved config, over model_dir, with
+    the head its algorithm trains) and what it writes, `kind`: an HF checkpoint, the adapters alone
+    as an HF PEFT adapter, or a reward model's HF sequence classifier."""
     cfg: RootConfig
     model_dir: Path
     kind: str
+    head: str  # the trained model's (AlgorithmSpec.head)
 
     @property
     def adapter_alone(self) -> bool:
@@ -60,24 +69,41 @@ def checked_conversion(checkpoint_dir: Path, out_dir: Path, merged: bool) -> Con
                           f"without policy.peft), so there are no adapters to merge; convert it without --merged")
     model_dir = restored_base(checkpoint_dir, cfg, "rlkit convert")
     p = cfg.policy  # rebuilt as the run had it, over model_dir: checked as a run's config is, before any worker
-    check_model_layout(p, model_shape(str(model_dir), p.tiny_model.num_layers, p.tiny_model.hidden_size))
-    if base is None:
+    shape = model_shape(str(model_dir), p.tiny_model.num_layers, p.tiny_model.hidden_size)
+    check_model_layout(p, shape)
+    head = load_algorithm(cfg.algorithm.name).head
+    if head == "reward":
+        check_sequence_classifier(shape.model_type, model_dir)
+        kind = REWARD_MODEL
+    elif base is None:
         kind = "HF checkpoint"
     else:
         kind = "HF checkpoint (the base with the adapters merged in)" if merged else PEFT_ADAPTER
-    return Conversion(cfg, model_dir, kind)
+    return Conversion(cfg, model_dir, kind, head)
 
 
-def export_hf(checkpoint_dir: Path, out_dir: Path, merged: bool = False) -> Exported:
+def check_sequence_classifier(model_type: str | None, model_dir: Path) -> None:
+    """A ConfigError unless transformers has a sequence classifier of the model's architecture
+    (a reward model's export is one)."""
+    from rlkit.workers.policy.reward_export import sequence_classifier  # transformers' table: torch
+
+    if sequence_classifier(model_type) is None:
+        raise ConfigError(f"rlkit convert: the reward model is a {model_type} model ({model_dir}), for which "
+                          f"transformers has no sequence classifier to export it as; train reward models on an "
+                          f"architecture that has one (e.g. qwen2, qwen3, llama)")
+
+
+def export_hf(checkpoint_dir: Path, out_dir: Path, merged: bool = False, pool: "WarmPool | None" = None) -> Exported:
     """HF weights (with config and tokenizer) from a checkpoint of either format; from an adapter
     checkpoint (policy.peft) an HF PEFT adapter folder over the base it was trained on, or with
     `merged` that base with the adapters merged in. The policy is rebuilt as the run had it (its
-    saved config), loads the checkpoint and writes through the bridge; no offline converter."""
+    saved config), loads the checkpoint and writes through the bridge; no offline converter.
+    pool: worker processes to rebuild it on (as launch.run.train takes them), instead of new ones."""
     conversion = checked_conversion(checkpoint_dir, out_dir, merged)
     target = out_dir.resolve()  # "." or "x/..": a name to put a folder beside
     partial = _partial_dir(target)
     try:
-        _write(conversion, checkpoint_dir, partial)
+        _write(conversion, checkpoint_dir, partial, pool)
         sizes = [p.stat().st_size for p in partial.rglob("*") if p.is_file()]
         os.replace(partial, target)  # onto an empty folder too; checked above that it is one
     except BaseException as error:
@@ -92,12 +118,13 @@ def export_hf(checkpoint_dir: Path, out_dir: Path, merged: bool = False) -> Expo
     return Exported(out_dir, conversion.kind, len(sizes), sum(sizes))
 
 
-def _write(conversion: Conversion, checkpoint_dir: Path, out_dir: Path) -> None:
+def _write(conversion: Conversion, checkpoint_dir: Path, out_dir: Path, pool: "WarmPool | None") -> None:
     """The policy rebuilt on workers of its own, loaded from the checkpoint, written to out_dir."""
     from rlkit.cluster.setup import start_workers  # here: Ray and torch, which the checks do without
     from rlkit.launch.run import failing
 
-    workers = start_workers(conversion.cfg, str(conversion.model_dir), with_generation=False)
+    workers = start_workers(conversion.cfg, str(conversion.model_dir), with_generation=False, pool=pool,
+                            policy_head=conversion.head)
     try:
         workers.policy.load_checkpoint(str(checkpoint_dir), conversion.cfg.checkpoint.save_format)
         if conversion.adapter_alone:

@@ -92,6 +92,9 @@ def _checkpoint_config(checkpoint: Path, recipe: str | None, overrides: list[str
     if problem is not None:
         raise ConfigError(f"model: the checkpoint {checkpoint} is damaged: {problem}; evaluate another one")
     saved = OmegaConf.load(checkpoint / "config.yaml")
+    if load_algorithm(saved.algorithm.name).head != "lm":
+        raise ConfigError(f"model: {checkpoint} holds a reward model (algorithm {saved.algorithm.name}), which scores "
+                          f"answers and writes none; export it with rlkit convert and score with it (env=reward_model)")
     if recipe is None:
         groups = [o for o in overrides if "." not in o.partition("=")[0]]
         if groups:

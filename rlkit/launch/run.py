@@ -79,9 +79,10 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
         if algorithm.warm_start is not None:
             start_dir, warm_dir = warm_start_dir(cfg, model_dir, resume_from, algorithm.uses_reference(cfg.algorithm),
                                                  *data.identity)
-        if resume_from is None and warm_dir is not None and cfg.policy.peft is not None:
+        if resume_from is None and warm_dir is not None and (cfg.policy.peft is not None or algorithm.head != "lm"):
             # adapters on a model that never answers learn too little to start from: the warm start
-            # tunes every weight, on workers of its own, and the adapters train on top of its result
+            # tunes every weight, on workers of its own, and the adapters train on top of its result;
+            # a reward model's head has no tokens to train on: its trunk starts from the result
             full_tuning = replace(cfg, policy=replace(cfg.policy, peft=None))
             with clock.phase("warm_start"):
                 # the warm start's workers stop the cluster they are given (so does their failed start)
@@ -104,7 +105,7 @@ def train(cfg: RootConfig, resolved: DictConfig, clock: StartupClock | None = No
             stop_local_ray(keep_logs=False)
         raise
     workers = start_workers(cfg, str(start_dir), with_generation=algorithm.rollouts, with_critic=algorithm.critic,
-                            clock=clock, pool=pool, started_cluster=started_cluster)
+                            clock=clock, pool=pool, started_cluster=started_cluster, policy_head=algorithm.head)
     logger = MetricsLogger(cfg.logger, run_dir, cfg.run.name, resolved, resume_step=state_step)
     trainer = None
     try:

@@ -15,6 +15,7 @@ from rlkit.bridge.common import unwrap
 from rlkit.checkpoint import WrittenFiles
 from rlkit.workers.policy import dist_checkpoint
 from rlkit.workers.policy.adapter_base import record_base, weights_digest
+from rlkit.workers.policy.reward_export import save_sequence_classifier
 
 # The distributed optimizer's state in a canonical per-parameter layout, so a checkpoint loads at
 # any TP/PP/DP (megatron-core's default layout for it is deprecated and refuses to save).
@@ -22,13 +23,14 @@ OPTIMIZER_CHECKPOINT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable
 
 
 class CheckpointIO:
-    def __init__(self, name: str, rank: int, bridge, model: list, writes_full_state: bool):
-        """name: the model's folder in a checkpoint (policy, critic); writes_full_state: whether
-        this rank's distributed checkpoint holds its parameters and their optimizer state as they
-        are here (megatron-core writes a replicated tensor from its first holder alone, data-parallel
-        rank 0; a distributed optimizer's state is gathered to that rank at the save instead, so a
+    def __init__(self, name: str, rank: int, bridge, model: list, head: str, writes_full_state: bool):
+        """name: the model's folder in a checkpoint (policy, critic); head: the worker's (a reward
+        model's HF export is a sequence classifier); writes_full_state: whether this rank's
+        distributed checkpoint holds its parameters and their optimizer state as they are here
+        (megatron-core writes a replicated tensor from its first holder alone, data-parallel rank 0;
+        a distributed optimizer's state is gathered to that rank at the save instead, so a
         reservation could not be sized from its shard; an adapter's is small)."""
-        self.name, self.rank, self.bridge, self.model = name, rank, bridge, model
+        self.name, self.rank, self.bridge, self.model, self.head = name, rank, bridge, model, head
         self.writes_full_state = writes_full_state
         self.background_save = dist_checkpoint.BackgroundSave()  # the checkpoint being written, if any
         self._digests = {}  # the adapters' base folder -> its weights_digest, taken at its first checkpoint
@@ -112,7 +114,10 @@ class CheckpointIO:
         return weights if self.rank == 0 else None
 
     def save_hf(self, out_dir: str) -> None:
-        """An HF checkpoint (weights through the bridge, plus config and tokenizer). Collective."""
+        """An HF checkpoint (weights through the bridge, plus config and tokenizer); a reward
+        model's as an HF sequence classifier (reward_export.py). Collective."""
+        if self.head == "reward":
+            return save_sequence_classifier(self.bridge, self.model, out_dir)
         self.bridge.save_hf_weights(self.model, out_dir)
         if self.rank == 0:
             from transformers import AutoTokenizer

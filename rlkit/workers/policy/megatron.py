@@ -1,6 +1,7 @@
 """Megatron-Core model worker: one Ray actor per rank of a TP x CP x PP x DP grid. It hosts the policy
 (head="lm": outputs token logprobs) or PPO's critic (head="value": the same GPTModel with a scalar
-value head, its trunk initialised from the policy checkpoint).
+value head, its trunk initialised from the policy checkpoint), or a reward model (head="reward": that
+scalar head without its bias, trained in the policy's place; reward_export.py writes it for HF).
 
 Each call that takes a Batch receives this rank's DP shard; the controller gathers results
 from the output ranks (TP and CP rank 0 on the last pipeline stage) of each DP group. Under context
@@ -94,23 +95,23 @@ class MegatronModelWorker(TrainingBackend):
         model_parallel_cuda_manual_seed(seed)
         self.bf16 = cfg.precision == "bf16"
         self.base_dir = model_dir  # the HF checkpoint under policy.peft's adapters (init_reference may replace it)
-        self.name = "policy" if head == "lm" else "critic"  # its folder in a checkpoint
+        self.name = "critic" if head == "value" else "policy"  # its folder in a checkpoint
         with self.startup.phase("build"):
             # policy.peft adapts the policy; PPO's critic trains all of its weights
             self.bridge = open_bridge(cfg.bridge, model_dir, torch.bfloat16 if self.bf16 else torch.float32,
                                       cfg.attention_backend, cfg.peft if head == "lm" else None)
-            self.model = self.bridge.build(bf16=self.bf16, wrap_with_ddp=True, value_head=head == "value",
-                                           fp32_lm_head=cfg.fp32_lm_head,
+            self.model = self.bridge.build(bf16=self.bf16, wrap_with_ddp=True, value_head=head != "lm",
+                                           value_bias=head == "value", fp32_lm_head=cfg.fp32_lm_head,
                                            use_distributed_optimizer=cfg.use_distributed_optimizer)
         with self.startup.phase("hf_load"):
-            if head == "value":
+            if head != "lm":
                 self.bridge.load_trunk_weights(self.model, self.bf16)
             else:
                 self.bridge.load_hf_weights(self.model)
                 if cfg.peft is not None and cfg.peft.init_from is not None:
                     self.bridge.load_adapter_checkpoint(self.model, os.path.join(cfg.peft.init_from, self.name))
         self.hand_over = MemoryHandOver(cfg.offload, ON_GPU)
-        self.checkpoints = CheckpointIO(self.name, rank, self.bridge, self.model, writes_full_state=(
+        self.checkpoints = CheckpointIO(self.name, rank, self.bridge, self.model, head, writes_full_state=(
             mpu.get_data_parallel_rank(with_context_parallel=True) == 0
             and not cfg.use_distributed_optimizer and not self.bridge.has_adapters))
         self.refit_sender = RefitSender(self)  # this rank's half of refit (policy only)

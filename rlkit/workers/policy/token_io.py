@@ -13,7 +13,8 @@ from rlkit.workers.policy.token_head import token_logprobs_and_entropy
 
 class TokenIO:
     def __init__(self, mpu, head: str):
-        """mpu: megatron's parallel_state, initialized; head: "lm" (a policy) or "value" (a critic)."""
+        """mpu: megatron's parallel_state, initialized; head: "lm" (a policy), or "value" (a critic) or
+        "reward" (a reward model), which output a scalar per position."""
         self.mpu, self.head = mpu, head
         self.temperature = 1.0  # logprobs are of softmax(logits / temperature), as the sampler drew them
 
