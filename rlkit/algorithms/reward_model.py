@@ -68,6 +68,8 @@ def tokenize_pair(tokenizer, margin: float, row: dict, where: str, max_tokens: i
 
 
 def check_exportable(cfg: RootConfig) -> None:
+    """A ConfigError unless transformers has a sequence classifier of the model's architecture,
+    which `rlkit convert` exports the reward model as."""
     from rlkit.workers.policy.reward_export import sequence_classifier  # transformers' table: torch
 
     p = cfg.policy
