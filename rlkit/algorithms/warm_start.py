@@ -11,6 +11,7 @@ from rlkit.algorithms.lr_schedule import check_learning_rate
 from rlkit.bridge.base import check_transformer_engine_packing
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.data.stream import ShuffledStream
+from rlkit.envs.base import Environment, import_target
 from rlkit.models.cache_entry import publish
 from rlkit.models.resolve import cache_key
 
@@ -113,18 +114,29 @@ def validate_episode_warm_start(cfg: RootConfig, dp: int) -> None:
                           f"episodes (got: {fraction}); e.g. 0.3 for three in ten answered without tools")
 
 
+def reference_turns_source(cfg: RootConfig) -> str | None:
+    """env._target_ where that environment writes reference turns (an RL warm start then trains
+    on its episodes: tool calls, then the answer), else None: a warm start on the rows' answers
+    alone is the same whichever environment scores the run."""
+    if not cfg.env:
+        return None
+    target = import_target(cfg.env["_target_"])
+    writes_turns = isinstance(target, type) and issubclass(target, Environment) \
+        and target.reference_turns is not Environment.reference_turns
+    return cfg.env["_target_"] if writes_turns else None
+
+
 def warm_start_dir(cfg: RootConfig, model_dir: Path, resume_from: Path | None, uses_reference: bool,
                    *data_identity) -> tuple[Path, Path | None]:
     """(directory the policy starts from, warm-start directory still to be written or None).
-    The cache key covers the model, the warm-start settings, the environment's class (whose
-    reference turns an RL warm start may train on: tool calls or not), the data section and
-    data_identity (e.g. the data files' sizes and times), so a change to any of them trains a new
-    warm start. A warm start tunes every weight, with or without policy.peft (see rlkit/launch/run.py)."""
+    The cache key covers the model, the warm-start settings, the environment whose reference
+    turns an RL warm start trains on (reference_turns_source), the data section and data_identity
+    (e.g. the data files' sizes and times), so a change to any of them trains a new warm start. A
+    warm start tunes every weight, with or without policy.peft (see rlkit/launch/run.py)."""
     w = cfg.algorithm.warm_start
     if w.sft_steps == 0:
         return model_dir, None
-    env_class = cfg.env["_target_"] if cfg.env else None
-    key = cache_key(str(model_dir), w, env_class, cfg.data, cfg.run.seed, *data_identity)
+    key = cache_key(str(model_dir), w, reference_turns_source(cfg), cfg.data, cfg.run.seed, *data_identity)
     warm_dir = Path(cfg.run.cache_dir).resolve() / f"warm-start-{key}"
     if (warm_dir / "config.json").is_file():
         log.info("warm start: using the cached SFT checkpoint %s", warm_dir)

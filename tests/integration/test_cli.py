@@ -36,8 +36,9 @@ def test_train_command_runs_and_reuses_its_warm_start(readme_environment_command
     assert again.returncode == 0 and f"{run_name} already finished" in again.stderr, again.stderr[-3000:]
     assert "started a local Ray cluster" not in again.stderr
 
-    # a new run of the same warm start (its key holds the model, data and warm-start settings, not
-    # the environment) loads it, in this process on the pool's workers
+    # a new run of the same warm start (its key holds the model, data and warm-start settings, and the
+    # environment only where it writes reference turns: neither of these does) loads it, in this
+    # process on the pool's workers
     overrides = [word for word in command.argv[command.argv.index("grpo_tiny_cpu") + 1:]
                  if not word.startswith(("env.", "run.name="))]
     cfg, resolved = load_config("grpo_tiny_cpu", [*overrides, "run.name=second"])
