@@ -234,21 +234,29 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
     return (shape[0] if shape else 1), row_numel
 
 
-_CHECKSUM_WORDS = 1 << 26  # words per chunk: bounds the int64 temporaries to ~1.5 GB for any bucket size
+_CHECKSUM_COLUMNS = 1 << 12  # words per row of the matrix a buffer's sums are read from
 
 
 def bucket_checksum(buffer: torch.Tensor) -> int:
     """Fletcher-style checksum of a uint8 buffer, computed on its own device: sensitive to
-    flipped bits and to reordered words. Integer arithmetic wraps identically on CPU and GPU,
-    and modulo 2**64 chunked sums equal whole ones."""
-    padded = torch.nn.functional.pad(buffer, (0, (-buffer.numel()) % 4))
-    words = padded.view(torch.int32)
-    total = torch.zeros((), dtype=torch.int64, device=words.device)
-    weighted = torch.zeros((), dtype=torch.int64, device=words.device)
-    for start in range(0, words.numel(), _CHECKSUM_WORDS):
-        chunk = words[start: start + _CHECKSUM_WORDS].to(torch.int64)
-        positions = torch.arange(start + 1, start + 1 + chunk.numel(), device=words.device, dtype=torch.int64)
-        total += chunk.sum()
-        weighted += (chunk * positions).sum()
+    flipped bits and to reordered words. Integer arithmetic wraps identically on CPU and GPU.
+    The words read as rows of _CHECKSUM_COLUMNS (and a shorter tail) give the position-weighted
+    sum as columns * sum(row index * row sum) + sum(column number * column sum): two reductions
+    that sum the int32 words into int64, with no temporary the size of the buffer."""
+    if buffer.numel() % 4 or buffer.storage_offset() % 4 or not buffer.is_contiguous():
+        buffer = torch.nn.functional.pad(buffer, (0, (-buffer.numel()) % 4))  # whole words, aligned
+    words = buffer.view(torch.int32)
+    rows = words.numel() // _CHECKSUM_COLUMNS
+    body = words[:rows * _CHECKSUM_COLUMNS].view(rows, _CHECKSUM_COLUMNS)
+    tail = words[rows * _CHECKSUM_COLUMNS:].to(torch.int64)
+    row_sums, column_sums = body.sum(dim=1), body.sum(dim=0)
+
+    def positions(first: int, count: int) -> torch.Tensor:
+        return torch.arange(first, first + count, device=words.device, dtype=torch.int64)
+
+    total = row_sums.sum() + tail.sum()
+    weighted = (_CHECKSUM_COLUMNS * (row_sums * positions(0, rows)).sum()
+                + (column_sums * positions(1, _CHECKSUM_COLUMNS)).sum()
+                + (tail * positions(rows * _CHECKSUM_COLUMNS + 1, tail.numel())).sum())
     value = (int(total.item()) * 1_000_003 + int(weighted.item())) % 2**64
     return value - 2**64 if value >= 2**63 else value  # a signed 64-bit int, so it fits an int64 tensor

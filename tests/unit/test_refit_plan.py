@@ -199,17 +199,27 @@ def test_corrupted_byte_names_bucket_and_tensor():
         plan.unpack(PackedBucket(1, swapped, packed.checksum), verify=True)
 
 
-def test_checksum_does_not_depend_on_its_chunking(monkeypatch):
-    """Large buckets are checksummed in chunks (bounded memory); the value must be the one a
-    single pass gives, or senders and receivers with other chunk sizes would disagree."""
+def test_checksum_is_the_position_weighted_word_sum_whatever_its_row_width(monkeypatch):
+    """The checksum reads a buffer's words as rows (two reductions, no temporary the bucket's size);
+    its value must be the plain definition's, sum(w) * 1_000_003 + sum(i * w_i) over the words'
+    1-based positions modulo 2**64, at any row width and for a buffer that does not start on a
+    word, or senders and receivers that read them otherwise would disagree."""
     from rlkit.refit import plan as plan_module
+
+    def by_definition(buffer: torch.Tensor) -> int:
+        data = bytes(buffer.tolist()) + bytes(-buffer.numel() % 4)
+        words = [int.from_bytes(data[i:i + 4], "little", signed=True) for i in range(0, len(data), 4)]
+        value = (sum(words) * 1_000_003 + sum(i * w for i, w in enumerate(words, 1))) % 2**64
+        return value - 2**64 if value >= 2**63 else value
 
     gen = torch.Generator().manual_seed(0)
     buffers = [torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8) for n in (1, 4001, 12_345)]
     buffers.append(torch.full((10_000,), 255, dtype=torch.uint8))  # all words -1: negative sums
-    whole_pass = [plan_module.bucket_checksum(b) for b in buffers]
-    monkeypatch.setattr(plan_module, "_CHECKSUM_WORDS", 1000)
-    assert [plan_module.bucket_checksum(b) for b in buffers] == whole_pass
+    buffers.append(buffers[2][1:])  # a view one byte into its storage
+    expected = [by_definition(b) for b in buffers]
+    for columns in (plan_module._CHECKSUM_COLUMNS, 1000, 1):
+        monkeypatch.setattr(plan_module, "_CHECKSUM_COLUMNS", columns)
+        assert [plan_module.bucket_checksum(b) for b in buffers] == expected, columns
 
 
 @pytest.mark.parametrize("delta", [-1, 1])
