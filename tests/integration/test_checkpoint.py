@@ -203,7 +203,10 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly_from_its_adapter_checkpo
 # (An entropy bonus to move them, even at 0.001, undoes the tool calls within three steps.)
 # grpo_tiny_cpu_tools' warm start cut to 60 steps of 32 episodes, its cache entry shared with test_tool_episodes
 TOOLS_WARM_START = ("algorithm.warm_start.sft_steps=60", "algorithm.warm_start.batch_size=32", "policy.micro_batch_size=8")
-TOOLS_RUN = ("algorithm.num_steps=4", "checkpoint.every=2", "algorithm.val_every=100", "algorithm.prompts_per_step=2",
+# no validation: what a resume restores is the training steps' episodes (100 validation episodes of two
+# turns at step 0, before any kill, cost each of the two starts more than a step)
+TOOLS_RUN = ("algorithm.num_steps=4", "checkpoint.every=2", "algorithm.val_every=100",
+             "algorithm.val_before_training=false", "algorithm.prompts_per_step=2",
              "policy.train_global_batch_size=16", *TOOLS_WARM_START, "logger.plots=false")
 
 
