@@ -1,7 +1,6 @@
 """Megatron-Core model worker: one Ray actor per rank of a TP x CP x PP x DP grid. It hosts the policy
-(head="lm": outputs token logprobs) or PPO's critic (head="value": the same GPTModel with a scalar
-value head, its trunk initialised from the policy checkpoint), or a reward model (head="reward": that
-scalar head without its bias, trained in the policy's place; reward_export.py writes it for HF).
+(head="lm": token logprobs), PPO's critic (head="value": the GPTModel with a scalar value head, its trunk
+from the policy checkpoint) or a reward model (head="reward": that head without bias; reward_export.py).
 
 Each call that takes a Batch receives this rank's DP shard; the controller gathers results
 from the output ranks (TP and CP rank 0 on the last pipeline stage) of each DP group. Under context
