@@ -154,6 +154,8 @@ case "$1" in
   tests-of) tests "$2" "${*:3}" ;;  # tests-of <seconds> <pytest arguments...>
   e2e) timeout "$2" python3 benchmarks/e2e.py --out "$OUT/e2e_$3.json" --model "${@:3}" 2>&1 | grep -v "^(\|Warn" \
          | tee "$OUT/e2e_$3.log"; cp /tmp/rlkit_e2e/rlkit.log "$OUT/e2e_$3_rlkit.log" 2>/dev/null ;;  # e2e <s> <model> [args]
+  generation-of) timeout "$2" python3 benchmarks/generation.py --out "$OUT/generation_$3.json" "${@:4}" > "$OUT/generation_$3.log" 2>&1
+    tail -2 "$OUT/generation_$3.log" ;;  # generation-of <s> <label> [generation.py args]: rlkit's engine against vLLM's LLM.generate
   train-mfu) timeout "$2" python3 benchmarks/train_mfu.py --out "$OUT/train_mfu_$3.json" "${@:4}" > "$OUT/train_mfu_$3.log" 2>&1
              grep "^train_mfu\|Error" "$OUT/train_mfu_$3.log" | tail -3 ;;  # train-mfu <s> <label> [train_mfu.py args]
   refit-tests) tests 560 tests/gpu/test_vllm_refit.py ;;
