@@ -16,9 +16,9 @@ from rlkit.cluster.worker_group import WorkerGroup, bundle_gpu_ids, free_address
 from rlkit.config.schema import RootConfig
 from rlkit.observability.startup import StartupClock
 from rlkit.workers.generation.base import GenerationWorker as Engine
+from rlkit.workers.policy.backends import training_backend, worker_class
 from rlkit.workers.policy.base import TrainingBackend
 from rlkit.workers.policy.expected_warnings import optional_kernels_missing
-from rlkit.workers.policy.megatron import MegatronModelWorker
 
 log = logging.getLogger("rlkit")
 
@@ -84,7 +84,7 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
                   policy_head: str = "lm") -> RunWorkers:
     """Policy (and generation) workers on a new placement group; with_critic reserves room on the
     policy's bundles for the critic that start_critic adds later. policy_head: the head of the
-    policy's model (MegatronModelWorker's; "reward": a reward model in its place). clock: where the
+    policy's model ("lm"; "reward": a reward model in its place). clock: where the
     phases' seconds go. pool: take the workers from it instead (CPU, this node), no placement
     group. started_cluster: the caller has joined or started Ray already (True: started a local
     cluster, which the workers' shutdown then stops); None: joined or started here. Workers that
@@ -150,11 +150,11 @@ def _start_groups(cfg, model_dir, pg, placement, device, started, with_generatio
             else:
                 generation = GenerationWorkers(pool.take("generation", generation_cls, "", generation_args,
                                                          len(placement.generation_bundles), c.call_timeout_s))
-            policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, policy_head, pool)
+            policy = _model_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, policy_head, pool)
             generation.sleep()  # also waits until every engine is up
         clock.add_workers("generation_workers", created, generation.workers.every_rank(Engine.startup_phases))
     else:
-        policy = _megatron_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, policy_head, pool)
+        policy = _model_group("policy", cfg, cfg.policy, model_dir, pg, placement, device, policy_head, pool)
     with clock.phase("policy_workers"):
         _set_up(policy, pg, placement)
     clock.add_workers("policy_workers", created, policy.every_rank(TrainingBackend.startup_phases))
@@ -172,7 +172,7 @@ def _log_nodes(policy: WorkerGroup, generation: WorkerGroup | None) -> None:
 def start_critic(cfg: RootConfig, workers: RunWorkers, model_dir: str) -> ModelWorkers:
     """PPO's critic: the policy's layout and optimizer settings (learning rate algorithm.critic.lr),
     a value head on the trunk of the checkpoint at model_dir, on the policy's bundles."""
-    critic = _megatron_group("critic", cfg, critic_config(cfg), model_dir, workers.placement_group, workers.placement,
+    critic = _model_group("critic", cfg, critic_config(cfg), model_dir, workers.placement_group, workers.placement,
                              workers.device, "value", workers.pool)
     _set_up(critic, workers.placement_group, workers.placement)
     workers.critic = ModelWorkers(critic)
@@ -184,20 +184,22 @@ def critic_config(cfg: RootConfig):
     return replace(cfg.policy, optimizer=replace(cfg.policy.optimizer, lr=cfg.algorithm.critic.lr))
 
 
-def _megatron_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, placement, device: str,
-                    head: str, pool: WarmPool | None) -> WorkerGroup:
-    """The model's worker processes, started and importing (or reset, from the pool); _set_up builds them."""
+def _model_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, placement, device: str,
+                 head: str, pool: WarmPool | None) -> WorkerGroup:
+    """The model's worker processes (policy.backend's class), started and importing (or reset, from
+    the pool); _set_up builds them."""
     args = model_worker_args(cfg, model_cfg, model_dir, head)
+    actor_cls = worker_class(model_cfg)
     if pool is not None:
-        # each bridge's processes keep their own imports
-        return pool.take(role, MegatronModelWorker, model_cfg.bridge, args, len(placement.policy_bundles),
-                         cfg.cluster.call_timeout_s)
-    return WorkerGroup.start(role, MegatronModelWorker, pg, placement.policy_bundles, placement.share, device, args,
+        # processes whose imports differ (e.g. Megatron's bridge) are pooled apart
+        return pool.take(role, actor_cls, training_backend(model_cfg).imports(model_cfg), args,
+                         len(placement.policy_bundles), cfg.cluster.call_timeout_s)
+    return WorkerGroup.start(role, actor_cls, pg, placement.policy_bundles, placement.share, device, args,
                              cfg.cluster.call_timeout_s)
 
 
 def model_worker_args(cfg: RootConfig, model_cfg, model_dir: str, head: str) -> Callable[[int], dict]:
-    """Rank r's MegatronModelWorker arguments, for a model of model_cfg's layout (cfg.policy or the critic's)."""
+    """Rank r's worker arguments, for a model of model_cfg's layout (cfg.policy or the critic's)."""
     c = cfg.cluster
     staged = cfg.checkpoint.save_format == "dist" and cfg.checkpoint.background
     return lambda rank: dict(cfg=model_cfg, model_dir=model_dir, rank=rank, world_size=model_cfg.num_workers,

@@ -110,6 +110,9 @@ class PeftConfig:
 @dataclass
 class PolicyConfig:
     model_path: str = MISSING
+    # the training backend (rlkit/workers/policy/backends.py); a default here: checkpoints saved
+    # before the key existed load as they were
+    backend: str = "megatron"
     tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
     num_workers: int = MISSING
     tensor_parallel_size: int = MISSING

@@ -1,0 +1,40 @@
+"""Training backends (policy.backend): the worker class that trains a model on each rank
+(rlkit/workers/policy/base.py TrainingBackend), named lazily so that loading a config imports no
+torch, and the config rules of that backend, run as the config loads. To add a backend: its
+module(s), its rules, its configs/policy YAML, and one line in BACKENDS."""
+
+from dataclasses import dataclass
+from typing import Callable
+
+from rlkit.config.named import Lazy
+from rlkit.config.schema import ConfigError, PolicyConfig
+from rlkit.models.shape import ModelShape
+from rlkit.workers.policy import megatron_rules
+
+
+@dataclass(frozen=True)
+class Backend:
+    worker: Lazy  # the TrainingBackend class of one rank
+    check_settings: Callable[[PolicyConfig], None]  # its own keys, before the model's shape is read
+    check_layout: Callable[[PolicyConfig, ModelShape], None]  # its layout against the model's shape
+    data_parallel_size: Callable[[PolicyConfig], int]  # ranks that each train on their own shard of a batch
+    # a warm pool's processes of one backend share imports only where this agrees (e.g. the bridge)
+    imports: Callable[[PolicyConfig], str]
+
+
+BACKENDS = {
+    "megatron": Backend(Lazy("rlkit.workers.policy.megatron:MegatronModelWorker"),
+                        megatron_rules.check_megatron_settings, megatron_rules.check_megatron_layout,
+                        megatron_rules.data_parallel_size, lambda p: p.bridge),
+}
+
+
+def training_backend(p: PolicyConfig) -> Backend:
+    if p.backend not in BACKENDS:
+        raise ConfigError(f"policy.backend: must be one of {list(BACKENDS)} (got: {p.backend!r}); pick one of those")
+    return BACKENDS[p.backend]
+
+
+def worker_class(p: PolicyConfig) -> type:
+    """The class each rank of p's model runs (imports torch and the backend's libraries)."""
+    return training_backend(p).worker.resolve()
