@@ -6,9 +6,8 @@ Each call that takes a Batch receives this rank's DP shard; the controller gathe
 from the output ranks (TP and CP rank 0 on the last pipeline stage) of each DP group. Under context
 parallelism every rank of a CP group holds the same shard, runs the model on its share of each
 row's tokens (rlkit/bridge/context_parallel.py) and gathers the per-token outputs back, so the
-losses and every result are the whole rows', as at CP=1. A step's rollout
-is held here (hold): logprobs, values and token-level advantages are computed into the held
-shard where it lives, and training reads it, so token tensors cross the controller once.
+losses and every result are the whole rows', as at CP=1. A step's rollout is held here
+(held_rollout.py), and the rank hosts its half of refit (refit_host.py).
 """
 
 import os
@@ -22,18 +21,17 @@ from rlkit.checkpoint import WrittenFiles
 from rlkit.config.schema import PolicyConfig
 from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.micro_batches import LENGTH_MASKS, micro_batches, restore_rows
-from rlkit.observability.logprob_agreement import agreement_sums, reference_kl_sums
 from rlkit.observability.profiling import profiled
 from rlkit.observability.startup import PhaseTimes, without_wandb
-from rlkit.refit.delta import EncodedBucket
-from rlkit.refit.plan import PackedBucket, RefitPlan
-from rlkit.refit.sender import RefitSender, SentRefit
+from rlkit.refit.sender import RefitSender
 from rlkit.workers.policy.base import TrainingBackend
 from rlkit.workers.policy.checkpoint_io import CheckpointIO
 from rlkit.workers.policy.expected_warnings import silence_expected_warnings
 from rlkit.workers.policy.hand_over import MemoryHandOver
+from rlkit.workers.policy.held_rollout import HeldRollout
 from rlkit.workers.policy.optimizer import build_optimizer
 from rlkit.workers.policy.pool_lifecycle import collect, release_process
+from rlkit.workers.policy.refit_host import RefitHost
 from rlkit.workers.policy.schedule import min_micro_batches, run_schedule, summed_on_host
 from rlkit.workers.policy.token_io import TokenIO
 from rlkit.workers.rendezvous import init_process_group
@@ -43,7 +41,7 @@ ON_GPU = torch.cuda.is_available()
 silence_expected_warnings()
 
 
-class MegatronModelWorker(TrainingBackend):
+class MegatronModelWorker(HeldRollout, RefitHost, TrainingBackend):
     def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, seed: int, threads: int,
                  collective_timeout_s: float, head: str = "lm", stage_checkpoints: bool = False):
         """Imports only, no device memory: a run starts these processes while its generation engines
@@ -277,55 +275,7 @@ class MegatronModelWorker(TrainingBackend):
             return None
         return {**summed_on_host(outputs), "grad_norm": float(grad_norm)}
 
-    # ---- the step's rollout, held where it is used ------------------------------------
-    @profiled
-    def hold(self, shard: Batch) -> None:
-        self.held = shard
-
-    def extend_held(self, fields: Batch) -> None:
-        self.held = self.held.with_fields(**fields.tensors)
-
-    def export_held(self, names: list[str]) -> list | None:
-        """Output ranks: [an object ref to the held shard's `names`], for another worker group
-        (PPO: the policy's logprobs for the critic, its advantages back); the bytes go through
-        the object store, not the controller."""
-        import ray
-
-        return [ray.put(self.held.select(*names))] if self._is_output() else None
-
-    @profiled
-    def forward_held(self, into: str, reference: bool = False) -> dict | None:
-        """Head outputs of the held rows (policy: logprobs, critic: values) from the model, or the
-        frozen reference, stored as field `into` where they are computed (the last pipeline
-        stage). Returns, from output ranks, the agreement sums of these logprobs with the
-        sampler's when the held rows carry them, and for the reference its KL sums to the held
-        old_logprobs (rlkit/observability/logprob_agreement.py)."""
-        output = self.reference_logprobs(self.held) if reference else self._forward_with(self.held, self.model)
-        if output is None:
-            return None
-        self.held = self.held.with_fields(**{into: output})
-        if reference and "old_logprobs" in self.held:
-            return reference_kl_sums(output, self.held["old_logprobs"], self.held["response_mask"])
-        if reference or self.head != "lm" or "generation_logprobs" not in self.held:
-            return {}
-        return agreement_sums(output, self.held["generation_logprobs"], self.held["response_mask"])
-
-    @profiled
-    def estimate_held(self, rewards: torch.Tensor, estimator: Callable) -> dict | None:
-        """Token-level advantages where the data is (rewards: this shard's, per sample):
-        estimator(held, rewards, reduce) returns new fields (stored) and metric sums (returned
-        from output ranks); reduce(tensor, op) combines a statistic over this rank's
-        data-parallel group, so whitening sees the whole batch. Runs on the ranks that hold the
-        estimator's inputs (the last pipeline stage)."""
-        if not all(k in self.held for k in estimator.fields):
-            return None
-        fields, sums = estimator(self.held, rewards, self._reduce_over_data_parallel)
-        self.held = self.held.with_fields(**fields)
-        return sums if self._is_output() else None
-
-    def train_held(self, part: int, parts: int, totals: BatchTotals, objective: Callable) -> dict | None:
-        return self.train(self.held.split(parts)[part], totals, objective)
-
+    # ---- the step's rollout, held where it is used (the rest: held_rollout.py) ------------
     def evaluate_held(self, totals: BatchTotals, objective: Callable) -> dict | None:
         """The objective's loss and sums on the held rows, without a step (validation); from
         output ranks, summed over micro-batches (each is its exact share of the whole)."""
@@ -352,42 +302,13 @@ class MegatronModelWorker(TrainingBackend):
         dist.all_reduce(on_device, op=ops[op], group=self.mpu.get_data_parallel_group())
         return on_device.to(tensor.device)
 
-    # ---- weights out: this rank's half of refit (rlkit/refit/sender.py) ------------------
+    # ---- weights out: the export refit's sender reads (the rest of refit: refit_host.py) ----
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The bridge's HF-named export stream (the sender's export interface). Collective."""
         return self.bridge.export_hf_weights(self.model)
 
     def export_rows(self):
         return self.bridge.export_rows(self.model)
-
-    def refit_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
-        return self.refit_sender.manifest()
-
-    def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool, delta: bool = False,
-                             base_held: bool = False) -> Iterator[PackedBucket | EncodedBucket]:
-        yield from self.refit_sender.stream_buckets(plan, with_checksum, delta, base_held)
-
-    def join_refit_communicator(self, transport: str, host: str, port: int, world_size: int, timeout_s: float):
-        self.refit_sender.join(transport, host, port, world_size, timeout_s)
-
-    def refit_gpu(self) -> str:
-        """This rank's GPU, as the engine process beside it finds it (cuda_ipc)."""
-        from rlkit.refit.transports.cuda_ipc import gpu_identity
-        return gpu_identity()
-
-    def open_refit_channel(self, transport: str, receivers: int, timeout_s: float, channel_host: str) -> tuple:
-        """channel_host (refit.channel_host): loopback, or node_ip for receivers on other nodes."""
-        import ray
-
-        host = "127.0.0.1" if channel_host == "loopback" else ray.util.get_node_ip_address()
-        return self.refit_sender.open_channel(transport, receivers, timeout_s, host)
-
-    @profiled
-    def send_refit(self, plan: RefitPlan, with_checksum: bool, delta: bool = False) -> SentRefit:
-        return self.refit_sender.send(plan, with_checksum, delta)
-
-    def refit_stats(self) -> SentRefit | None:
-        return self.refit_sender.sent()
 
     def export_refit_adapters(self, dtype: str) -> dict[str, torch.Tensor] | None:
         """refit.peft=adapter: policy.peft's adapters alone, {HF PEFT name (<HF module>.lora_A.weight,
