@@ -51,13 +51,9 @@ class CheckpointIO:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         held = time.perf_counter()
-        own_dir = os.path.join(ckpt_dir, self.name)
-        if self.rank == 0:
-            os.makedirs(os.path.join(ckpt_dir, "rng"), exist_ok=True)
-            os.makedirs(own_dir, exist_ok=True)
-        dist.barrier()
+        own_dir = checkpoint_folders(ckpt_dir, self.name, self.rank)
         torch.save({"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(), "lr": lr},
-                   self._rng_file(ckpt_dir))
+                   rng_file(ckpt_dir, self.name, self.rank))
         parts = {}
         if save_format == "dist":
             model_state = self._model_state()
@@ -100,8 +96,9 @@ class CheckpointIO:
             optimizer.load_state_dict(torch.load(os.path.join(own_dir, f"optimizer_rank{self.rank}.pt"),
                                                  weights_only=False))
         lr = None
-        if os.path.exists(self._rng_file(ckpt_dir)):  # absent when resuming onto more ranks than were saved
-            rng = torch.load(self._rng_file(ckpt_dir), weights_only=False)
+        own_rng = rng_file(ckpt_dir, self.name, self.rank)
+        if os.path.exists(own_rng):  # absent when resuming onto more ranks than were saved
+            rng = torch.load(own_rng, weights_only=False)
             torch.set_rng_state(rng["torch"])
             get_cuda_rng_tracker().set_states(rng["tracker"])
             lr = rng["lr"]
@@ -132,9 +129,6 @@ class CheckpointIO:
             write_hf_peft_adapter(out_dir, adapters, peft, base_dir)
         dist.barrier()
 
-    def _rng_file(self, ckpt_dir: str) -> str:
-        return os.path.join(ckpt_dir, "rng", f"{self.name}_rank_{self.rank}.pt")
-
     def _model_state(self) -> dict:
         """The model's sharded state for a distributed checkpoint: its one chunk's, or with virtual
         pipeline stages {"model<i>": chunk i's}, as Megatron lays out several chunks."""
@@ -145,6 +139,22 @@ class CheckpointIO:
         chunks = [unwrap(chunk) for chunk in self.model]
         for i, chunk in enumerate(chunks):
             self.bridge.load_model_state(chunk, loaded if len(chunks) == 1 else loaded[f"model{i}"])
+
+
+def checkpoint_folders(ckpt_dir: str, name: str, rank: int) -> str:
+    """The model's folder in a checkpoint and the ranks' RNG folder, made by rank 0 before any
+    rank writes. Collective. Returns the model's folder."""
+    own_dir = os.path.join(ckpt_dir, name)
+    if rank == 0:
+        os.makedirs(os.path.join(ckpt_dir, "rng"), exist_ok=True)
+        os.makedirs(own_dir, exist_ok=True)
+    dist.barrier()
+    return own_dir
+
+
+def rng_file(ckpt_dir: str, name: str, rank: int) -> str:
+    """Where a rank's RNG state (and the learning rate) goes in a checkpoint."""
+    return os.path.join(ckpt_dir, "rng", f"{name}_rank_{rank}.pt")
 
 
 def _fill_empty_optimizer_states(optimizer):

@@ -31,6 +31,7 @@ from rlkit.workers.policy.hand_over import MemoryHandOver
 from rlkit.workers.policy.held_rollout import HeldRollout
 from rlkit.workers.policy.optimizer import build_optimizer
 from rlkit.workers.policy.pool_lifecycle import collect, release_process
+from rlkit.workers.policy.rank_basics import RankBasics
 from rlkit.workers.policy.refit_host import RefitHost
 from rlkit.workers.policy.schedule import min_micro_batches, run_schedule, summed_on_host
 from rlkit.workers.policy.token_io import TokenIO
@@ -41,7 +42,7 @@ ON_GPU = torch.cuda.is_available()
 silence_expected_warnings()
 
 
-class MegatronModelWorker(HeldRollout, RefitHost, TrainingBackend):
+class MegatronModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
     def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, seed: int, threads: int,
                  collective_timeout_s: float, head: str = "lm", stage_checkpoints: bool = False):
         """Imports only, no device memory: a run starts these processes while its generation engines
@@ -127,29 +128,8 @@ class MegatronModelWorker(HeldRollout, RefitHost, TrainingBackend):
         return {"rank": self.rank, "tp": m.get_tensor_model_parallel_rank(), "pp": m.get_pipeline_model_parallel_rank(),
                 "cp": m.get_context_parallel_rank(), "dp": m.get_data_parallel_rank(), "is_output": self._is_output()}
 
-    def device_name(self) -> str | None:
-        return torch.cuda.get_device_name() if ON_GPU else None
-
-    def peak_memory_gb(self) -> float:
-        if not ON_GPU:
-            return 0.0
-        peak = torch.cuda.max_memory_allocated() / 1e9
-        torch.cuda.reset_peak_memory_stats()
-        return peak
-
-    def reset_optimizer(self):
-        """Drop optimizer state (rebuilt fresh at the next train step), e.g. between a warm start
-        and RL, so a run that just did the warm start and one that loaded it from cache agree."""
-        self.optimizer = None
-
     def set_temperature(self, temperature: float):
         self.io.temperature = temperature
-
-    def set_learning_rate(self, lr: float):
-        self.lr = lr
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
 
     def init_reference(self, hf_dir: str):
         """Load the frozen KL reference policy from an HF checkpoint (the run's starting weights,
