@@ -108,6 +108,14 @@ class PeftConfig:
 
 
 @dataclass
+class FSDP2Config:
+    """policy.fsdp2: settings of the FSDP2 backend alone (rlkit/workers/policy/fsdp2.py)."""
+
+    activation_checkpointing: bool = MISSING
+    reshard_after_forward: bool = MISSING
+
+
+@dataclass
 class PolicyConfig:
     model_path: str = MISSING
     # the training backend (rlkit/workers/policy/backends.py); a default here: checkpoints saved
@@ -131,6 +139,8 @@ class PolicyConfig:
     offload: str = MISSING
     # None: every weight trains
     peft: Optional[PeftConfig] = None
+    # policy.backend=fsdp2's own settings (configs/policy/fsdp2_tiny.yaml); None under megatron
+    fsdp2: Optional[FSDP2Config] = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
 

@@ -24,7 +24,8 @@ from rlkit.cluster.worker_group import free_address
 from rlkit.launch.config import load_config
 from rlkit.models.pretrained import smollm2_135m_instruct
 from rlkit.models.resolve import resolve_model_dir
-from rlkit.workers.policy.megatron import MegatronModelWorker as Model
+from rlkit.workers.policy.backends import training_backend, worker_class
+from rlkit.workers.policy.base import TrainingBackend as Model
 
 
 @pytest.fixture(scope="session")
@@ -104,9 +105,9 @@ def grpo_on_new_workers(ray_cluster, make_cfg):
 
 
 class ModelWorkerPool:
-    """Megatron workers of some model and layout, from the session's pool: each start() gives back
-    what the previous one took and sets workers up again (reset), so what an earlier start()
-    returned is gone then."""
+    """Model workers (policy.backend's) of some model and layout, from the session's pool: each
+    start() gives back what the previous one took and sets workers up again (reset), so what an
+    earlier start() returned is gone then."""
 
     def __init__(self, pool: WarmPool):
         self.pool, self.taken = pool, None
@@ -115,7 +116,8 @@ class ModelWorkerPool:
         """cfg's policy (head "lm") or critic (head "value") on model_dir's weights, set up."""
         model_cfg = cfg.policy if head == "lm" else critic_config(cfg)
         self.release()
-        self.taken = self.pool.take("policy" if head == "lm" else "critic", Model, model_cfg.bridge,
+        self.taken = self.pool.take("policy" if head == "lm" else "critic", worker_class(model_cfg),
+                                    training_backend(model_cfg).imports(model_cfg),
                                     model_worker_args(cfg, model_cfg, str(model_dir), head), model_cfg.num_workers,
                                     cfg.cluster.call_timeout_s)
         self.taken.every_rank(Model.setup, *free_address())  # the session's one node is this process's

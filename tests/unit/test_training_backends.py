@@ -4,6 +4,7 @@ class there (rlkit/cluster imports no backend's module), and each backend's own 
 for it alone, one line each."""
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -38,9 +39,41 @@ def test_the_cluster_imports_no_backend_module():
 
 def test_an_unknown_backend_is_one_line_naming_the_key():
     message = load_error("policy.backend=deepspeed")
-    assert message.startswith("policy.backend: must be one of ['megatron'") and "(got: 'deepspeed')" in message
+    assert message.startswith("policy.backend: must be one of ['megatron', 'fsdp2']") and "(got: 'deepspeed')" in message
 
 
 def test_the_default_backend_is_megatron():
     cfg, _ = load_config("grpo_tiny_cpu", [])
     assert cfg.policy.backend == "megatron"
+
+
+@pytest.mark.parametrize("key", ["tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_parallel_size",
+                                 "context_parallel_size", "expert_parallel_size"])
+def test_a_megatron_layout_key_under_fsdp2_is_one_line_naming_it(key):
+    message = load_error("policy=fsdp2_tiny", f"policy.{key}=2", "policy.num_workers=4", "policy.model_path=tiny://qwen3_moe")
+    assert message.startswith(f"policy.{key}: a Megatron layout key, which policy.backend=fsdp2 does not use (got: 2)")
+    assert f"set policy.{key}=1" in message and "or policy.backend=megatron" in message
+
+
+def test_fsdp2_without_its_section_names_the_policy_group():
+    message = load_error("policy.backend=fsdp2")
+    assert message.startswith("policy.fsdp2: policy.backend=fsdp2 reads this section") and "policy=fsdp2_tiny" in message
+
+
+def test_fsdp2_refuses_an_algorithm_whose_head_it_does_not_build():
+    with pytest.raises(ConfigError, match=r"^policy.backend: algorithm ppo trains a model with a value head"):
+        load_config("ppo_tiny_cpu", ["policy=fsdp2_tiny"])
+
+
+def test_fsdp2_refuses_a_checkpoint_that_needs_trust_remote_code(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "my_own_lm", "auto_map": {"AutoModelForCausalLM": "modeling_my_own.MyOwnLM"},
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "hidden_size": 64}))
+    message = load_error("policy=fsdp2_tiny", f"policy.model_path={tmp_path}")
+    assert message.startswith(f"policy.model_path: {tmp_path} is a 'my_own_lm' model and its code comes with the "
+                              f"checkpoint (config.json auto_map), which needs trust_remote_code")
+
+
+def test_fsdp2_loads_as_a_policy_group():
+    cfg, _ = load_config("grpo_tiny_cpu", ["policy=fsdp2_tiny"])
+    assert cfg.policy.backend == "fsdp2" and cfg.policy.fsdp2.reshard_after_forward

@@ -9,7 +9,7 @@ from typing import Callable
 from rlkit.config.named import Lazy
 from rlkit.config.schema import ConfigError, PolicyConfig
 from rlkit.models.shape import ModelShape
-from rlkit.workers.policy import megatron_rules
+from rlkit.workers.policy import fsdp2_rules, megatron_rules
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,16 @@ class Backend:
     data_parallel_size: Callable[[PolicyConfig], int]  # ranks that each train on their own shard of a batch
     # a warm pool's processes of one backend share imports only where this agrees (e.g. the bridge)
     imports: Callable[[PolicyConfig], str]
+    # the heads its models may have: "lm" (token logprobs), "value" (PPO's critic), "reward" (a reward model)
+    heads: tuple[str, ...]
 
 
 BACKENDS = {
     "megatron": Backend(Lazy("rlkit.workers.policy.megatron:MegatronModelWorker"),
                         megatron_rules.check_megatron_settings, megatron_rules.check_megatron_layout,
-                        megatron_rules.data_parallel_size, lambda p: p.bridge),
+                        megatron_rules.data_parallel_size, lambda p: p.bridge, ("lm", "value", "reward")),
+    "fsdp2": Backend(Lazy("rlkit.workers.policy.fsdp2:FSDP2ModelWorker"), fsdp2_rules.check_fsdp2_settings,
+                     fsdp2_rules.check_fsdp2_layout, lambda p: p.num_workers, lambda p: "", ("lm",)),
 }
 
 

@@ -3,6 +3,7 @@
 against. The copies themselves are offload.HostOffload's."""
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rlkit.workers.policy.offload import HostOffload, pinned_bandwidth
 
@@ -43,6 +44,8 @@ def resident_storages(models: list, trained: list, optimizer) -> dict[str, list]
     kinds, seen = {"weights": [], "optimizer": [], "gradients": []}, set()
 
     def add(tensor, kind):
+        if isinstance(tensor, DTensor):  # an FSDP2 rank's shard
+            tensor = tensor.to_local()
         storage = tensor.untyped_storage()
         if tensor.is_cuda and storage.data_ptr() not in seen and storage.nbytes() > 0:
             seen.add(storage.data_ptr())
@@ -56,10 +59,11 @@ def resident_storages(models: list, trained: list, optimizer) -> dict[str, list]
             add(buffer.grad_data, "gradients")
     if optimizer is not None:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            for group in opt.optimizer.param_groups:
+            opt = getattr(opt, "optimizer", opt)  # inside Megatron's wrapper, or a torch optimizer (FSDP2)
+            for group in opt.param_groups:
                 for param in group["params"]:
                     add(param.data, "optimizer")
-            for state in opt.optimizer.state.values():
+            for state in opt.state.values():
                 for value in state.values():
                     if torch.is_tensor(value):
                         add(value, "optimizer")

@@ -44,3 +44,12 @@ def check_policy(p: PolicyConfig) -> None:
 def check_model_layout(p: PolicyConfig, shape: ModelShape) -> None:
     """The backend's layout against the model's shape (policy.backend's check_layout)."""
     training_backend(p).check_layout(p, shape)
+
+
+def check_heads(p: PolicyConfig, algorithm: str, heads: set[str]) -> None:
+    """The backend trains models with every head the algorithm needs (its policy's, a critic's)."""
+    missing = sorted(heads - set(training_backend(p).heads))
+    if missing:
+        raise ConfigError(f"policy.backend: algorithm {algorithm} trains a model with a {missing[0]} head, which "
+                          f"policy.backend={p.backend} does not build yet (got: {p.backend!r}); set "
+                          f"policy.backend=megatron")

@@ -1,0 +1,84 @@
+"""An FSDP2 rank's checkpoints and HF exports. checkpoint.save_format=dist: the model's and AdamW's
+sharded state through torch.distributed.checkpoint (each rank writes its shards; it loads onto any
+number of ranks); hf: the HF weights (loadable by transformers) with the optimizer's state as a
+distributed checkpoint beside them. Either way each rank's RNG state and the learning rate, so a
+resumed run continues exactly. Written before save() returns."""
+
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from rlkit.workers.policy.checkpoint_io import checkpoint_folders, rng_file
+
+HFWeights = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # the worker's collective HF-named export
+
+
+class FSDP2Checkpoints:
+    def __init__(self, name: str, rank: int, model_dir: str):
+        """name: the model's folder in a checkpoint; model_dir: the HF checkpoint it was built from
+        (its config and tokenizer go with every HF export)."""
+        self.name, self.rank, self.model_dir = name, rank, model_dir
+
+    def save(self, ckpt_dir: str, save_format: str, model, optimizer, lr: float, hf_weights: HFWeights) -> dict:
+        """Weights, optimizer state, this rank's RNG and the learning rate into ckpt_dir/<name>.
+        Collective. The seconds training was held."""
+        held = time.perf_counter()
+        own_dir = checkpoint_folders(ckpt_dir, self.name, self.rank)
+        rng = {"torch": torch.get_rng_state(), "lr": lr}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, rng_file(ckpt_dir, self.name, self.rank))
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        if save_format == "dist":
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=own_dir)
+        else:
+            self.save_hf(os.path.join(own_dir, "hf"), hf_weights)
+            dcp.save({"optimizer": optimizer_state}, checkpoint_id=os.path.join(own_dir, "optimizer"))
+        dist.barrier()
+        return {"held": time.perf_counter() - held}
+
+    def load(self, ckpt_dir: str, save_format: str, model, optimizer) -> float:
+        """Inverse of save, onto any number of ranks. Collective. Returns the saved learning rate."""
+        own_dir = os.path.join(ckpt_dir, self.name)
+        model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout to read into
+        if save_format == "dist":
+            state = {"model": model_state, "optimizer": optimizer_state}
+            dcp.load(state, checkpoint_id=own_dir)
+            set_model_state_dict(model, state["model"])
+        else:
+            from safetensors.torch import load_file
+
+            whole = load_file(os.path.join(own_dir, "hf", "model.safetensors"))
+            set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, strict=False))
+            state = {"optimizer": optimizer_state}
+            dcp.load(state, checkpoint_id=os.path.join(own_dir, "optimizer"))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        own_rng = rng_file(ckpt_dir, self.name, self.rank)
+        if os.path.exists(own_rng):  # absent when resuming onto more ranks than were saved
+            rng = torch.load(own_rng, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        dist.barrier()
+        return torch.load(rng_file(ckpt_dir, self.name, 0), weights_only=False)["lr"]
+
+    def save_hf(self, out_dir: str, hf_weights: HFWeights) -> None:
+        """An HF checkpoint in out_dir: every weight (gathered on each rank in turn, written by rank
+        0 as one model.safetensors), the model's config and its tokenizer. Collective."""
+        from safetensors.torch import save_file
+        from transformers import AutoConfig, AutoTokenizer
+
+        weights = {name: tensor.cpu().contiguous() for name, tensor in hf_weights()}
+        if self.rank == 0:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+            AutoConfig.from_pretrained(self.model_dir).save_pretrained(out_dir)
+            AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(out_dir)
+        dist.barrier()
