@@ -1,4 +1,5 @@
-"""Tiny HF checkpoints of real architectures (Qwen2, Qwen3, Qwen3-MoE, GLM-4-MoE, Llama), built offline.
+"""Tiny HF checkpoints of real architectures (Qwen2, Qwen3, Qwen3-MoE, GLM-4-MoE, Llama; Phi-3, which no
+bridge converts: the FSDP2 backend trains it), built offline.
 
 The tokenizer is a byte-level BPE trained on arithmetic-like text. It uses Qwen2's
 pre-tokenizer regex because transformers 5 swaps that regex into any tokenizer loaded
@@ -14,7 +15,9 @@ from pathlib import Path
 
 from rlkit.models.cache_entry import publish
 
-ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "glm4_moe", "llama")
+ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "glm4_moe", "llama", "phi3")
+# HF model types neither Megatron bridge converts (Phi-3: fused q/k/v and gate/up projections); policy.backend=fsdp2 trains them
+FSDP2_ONLY = ("phi3",)
 TINY_HEADS = (4, 2)  # (attention heads, key/value heads) of every tiny model
 TINY_EXPERTS = {"qwen3_moe": 4, "glm4_moe": 4}  # routed experts of each tiny MoE architecture (top-2 of them per token)
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -62,7 +65,7 @@ def build_tokenizer():
 
 
 def _hf_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden_size: int, num_layers: int):
-    from transformers import Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=TINY_HEADS[0], num_key_value_heads=TINY_HEADS[1],
@@ -84,6 +87,9 @@ def _hf_config(arch: str, vocab_size: int, pad_id: int, eos_id: int, hidden_size
                              moe_intermediate_size=hidden_size, first_k_dense_replace=1, n_group=1, topk_group=1,
                              norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=True,
                              num_mtp_layers=0, **common)
+    if arch == "phi3":
+        # fused q/k/v and gate/up projections (qkv_proj, gate_up_proj), which neither bridge converts
+        return Phi3Config(original_max_position_embeddings=256, **common)
     return LlamaConfig(**common)
 
 

@@ -77,3 +77,11 @@ def test_fsdp2_refuses_a_checkpoint_that_needs_trust_remote_code(tmp_path):
 def test_fsdp2_loads_as_a_policy_group():
     cfg, _ = load_config("grpo_tiny_cpu", ["policy=fsdp2_tiny"])
     assert cfg.policy.backend == "fsdp2" and cfg.policy.fsdp2.reshard_after_forward
+
+
+def test_an_architecture_no_bridge_converts_is_refused_under_megatron_and_loads_under_fsdp2():
+    message = load_error("policy.model_path=tiny://phi3")
+    assert message == ("policy.model_path: tiny://phi3 is a 'phi3' model, which no bridge converts for Megatron (got: "
+                       "policy.backend=megatron); train it with policy=fsdp2_tiny (policy.backend=fsdp2)")
+    cfg, _ = load_config("grpo_tiny_cpu_fsdp2_phi3", [])
+    assert (cfg.policy.backend, cfg.policy.model_path) == ("fsdp2", "tiny://phi3")
