@@ -32,7 +32,8 @@ from rlkit.launch.preflight import check_config
 from rlkit.models.shape import model_shape
 from rlkit.refit.transport import check_refit
 from rlkit.workers.generation.rules import check_generation
-from rlkit.workers.policy.rules import check_heads, check_model_layout, check_policy, data_parallel_size
+from rlkit.workers.policy.rules import (check_heads, check_model_fits, check_model_layout, check_policy,
+                                       data_parallel_size)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_GROUPS_DIR = REPO_ROOT / "configs"
@@ -179,6 +180,7 @@ def validate(cfg: RootConfig) -> None:
     check_heads(p, cfg.algorithm.name, {algorithm.head, *(["value"] if algorithm.critic else [])})
     shape = model_shape(p.model_path, p.tiny_model.num_layers, p.tiny_model.hidden_size)
     check_model_layout(p, shape)
+    check_model_fits(cfg)
     check_init_from(p.peft)
     if algorithm.rollouts:
         check_generation(cfg.generation, shape.heads)

@@ -2,8 +2,9 @@
 Llama in fp32: the FSDP2 policy's two ranks, each holding half of every weight and its own half of
 the rows, give the token logprobs of Megatron's one rank, and one SFT step gives the same loss,
 gradient norm and logprobs after it. Its export, gathered from the shards, is the checkpoint bit
-for bit under the checkpoint's names; its distributed checkpoint (torch.distributed.checkpoint)
-loads into new workers, whose next step is the uninterrupted run's bit for bit.
+for bit under the checkpoint's names; its checkpoints (dist: torch.distributed.checkpoint; hf: HF
+weights beside the optimizer's distributed state) load into new workers, whose next step is the
+uninterrupted run's bit for bit. Packed rows (SFT's) give Megatron's logprobs too.
 
 Tolerance 1e-5 as in test_policy_parity.py (Megatron against transformers)."""
 
@@ -13,11 +14,18 @@ from safetensors.torch import load_file
 
 from rlkit.algorithms.objectives import NextTokenNLL
 from rlkit.data.batch import Batch, batch_totals
+from rlkit.data.packing import pack_sequences
 from rlkit.models.resolve import resolve_model_dir
 
 pytestmark = pytest.mark.integration
 TOLERANCE = 1e-5
+SAVE_FORMATS = ("dist", "hf")  # checkpoint.save_format
 BACKENDS = {"megatron": ["policy.num_workers=1"], "fsdp2": ["policy=fsdp2_tiny", "policy.num_workers=2"]}
+
+
+# two rows of sequences back to back (each attends within itself only), as SFT packs them
+PACKED = pack_sequences([([5, 9, 14, 3, 7], [0, 1, 1, 1, 1]), ([11, 2, 8], [0, 1, 1]), ([4, 4, 6, 12], [0, 1, 1, 1]),
+                         ([20, 21, 22, 23, 24, 25], [0, 1, 1, 1, 1, 1])], max_length=10, pad_id=0, pack=True)
 
 
 def _rows(count: int, seed: int) -> Batch:
@@ -31,9 +39,10 @@ def _rows(count: int, seed: int) -> Batch:
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def runs(request, model_workers, make_cfg, tmp_path_factory) -> dict[str, dict]:
-    """Per backend: the export before training, logprobs of 8 rows, one step's metrics on them
-    (micro-batches of 4) and the logprobs after it. FSDP2's also: a distributed checkpoint after
-    that step, a second step, and that second step again on new workers that loaded the checkpoint."""
+    """Per backend: the export before training, logprobs of 8 rows and of 2 packed ones, one step's
+    metrics on the 8 (micro-batches of 4) and the logprobs after it. FSDP2's also: a checkpoint in
+    each format after that step, a second step, and that second step again on new workers that
+    loaded each checkpoint."""
     rows, later, results = _rows(8, 0), _rows(8, 1), {}
     for name, overrides in BACKENDS.items():
         cfg, _ = make_cfg(*overrides, f"policy.model_path=tiny://{request.param}", "policy.micro_batch_size=4",
@@ -41,16 +50,18 @@ def runs(request, model_workers, make_cfg, tmp_path_factory) -> dict[str, dict]:
         model_dir = resolve_model_dir(cfg)
         policy = model_workers.start(cfg, model_dir)
         results[name] = {"model_dir": model_dir, "exported": policy.export_hf_weights(),
-                         "logprobs": policy.logprobs(rows),
+                         "logprobs": policy.logprobs(rows), "packed logprobs": policy.logprobs(PACKED),
                          "step": policy.train(rows, batch_totals(rows["loss_mask"]), NextTokenNLL()),
                          "logprobs after": policy.logprobs(rows)}
-    checkpoint = str(tmp_path_factory.mktemp("fsdp2_dist"))
-    policy.save_checkpoint(checkpoint, "dist")
-    policy.finish_checkpoint(wait=True)
+    checkpoints = {save_format: str(tmp_path_factory.mktemp(f"fsdp2_{save_format}")) for save_format in SAVE_FORMATS}
+    for save_format, checkpoint in checkpoints.items():
+        policy.save_checkpoint(checkpoint, save_format)
+        policy.finish_checkpoint(wait=True)
     results["fsdp2"]["second step"] = _step_and_weights(policy, later)
-    resumed = model_workers.start(cfg, model_dir)
-    resumed.load_checkpoint(checkpoint, "dist")
-    results["fsdp2"]["resumed second step"] = _step_and_weights(resumed, later)
+    for save_format, checkpoint in checkpoints.items():
+        resumed = model_workers.start(cfg, model_dir)
+        resumed.load_checkpoint(checkpoint, save_format)
+        results["fsdp2"][f"resumed second step, {save_format}"] = _step_and_weights(resumed, later)
     return results
 
 
@@ -67,6 +78,10 @@ def test_the_export_is_the_checkpoint_bit_for_bit(runs):
 
 def test_logprobs_match_megatron(runs):
     assert (runs["fsdp2"]["logprobs"] - runs["megatron"]["logprobs"]).abs().max().item() < TOLERANCE
+    # every token of the packed sequences (a micro-batch is cut to its longest row: padding reads 0)
+    tokens = PACKED["segment_ids"] > 0
+    packed = runs["fsdp2"]["packed logprobs"][tokens] - runs["megatron"]["packed logprobs"][tokens]
+    assert packed.abs().max().item() < TOLERANCE
 
 
 def test_a_train_step_matches_megatron(runs):
@@ -77,8 +92,28 @@ def test_a_train_step_matches_megatron(runs):
     assert (fsdp2["logprobs after"] - fsdp2["logprobs"]).abs().max().item() > 100 * TOLERANCE  # the step moved them
 
 
-def test_a_dist_checkpoint_resumes_the_next_step_exactly(runs):
-    (step, weights), (resumed_step, resumed_weights) = runs["fsdp2"]["second step"], runs["fsdp2"]["resumed second step"]
+@pytest.mark.parametrize("save_format", SAVE_FORMATS)
+def test_a_checkpoint_resumes_the_next_step_exactly(runs, save_format):
+    step, weights = runs["fsdp2"]["second step"]
+    resumed_step, resumed_weights = runs["fsdp2"][f"resumed second step, {save_format}"]
     assert resumed_step == step  # weights and Adam's moments and step count all came back
     for name, weight in weights.items():
         assert torch.equal(resumed_weights[name], weight), name
+
+
+def test_bf16_compute_with_an_fp32_lm_head_and_activation_checkpointing_follows_fp32(model_workers, make_cfg):
+    """policy.precision=bf16 (FSDP2's MixedPrecisionPolicy: bf16 compute over fp32 weights and Adam),
+    policy.fp32_lm_head (Phi-3's untied head in fp32) and policy.fsdp2.activation_checkpointing
+    (layers recomputed in backward) give fp32's logprobs and step to bf16's precision."""
+    rows, results = _rows(8, 0), {}
+    for precision, checkpointing in [("fp32", "false"), ("bf16", "true")]:
+        cfg, _ = make_cfg("policy=fsdp2_tiny", "policy.num_workers=2", "policy.model_path=tiny://phi3",
+                          f"policy.precision={precision}", f"policy.fsdp2.activation_checkpointing={checkpointing}",
+                          "policy.micro_batch_size=4", "policy.train_global_batch_size=8")
+        policy = model_workers.start(cfg, resolve_model_dir(cfg))
+        results[precision] = (policy.logprobs(rows), policy.train(rows, batch_totals(rows["loss_mask"]),
+                                                                   NextTokenNLL()))
+    (fp32_logprobs, fp32_step), (bf16_logprobs, bf16_step) = results["fp32"], results["bf16"]
+    assert 0 < (bf16_logprobs - fp32_logprobs).abs().max().item() < 0.05  # bf16 rounding, and no more
+    assert bf16_step["loss"] == pytest.approx(fp32_step["loss"], rel=1e-2)
+    assert bf16_step["grad_norm"] == pytest.approx(fp32_step["grad_norm"], rel=5e-2)

@@ -5,6 +5,7 @@ for it alone, one line each."""
 
 import ast
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,19 @@ def test_an_architecture_no_bridge_converts_is_refused_under_megatron_and_loads_
                        "policy.backend=megatron); train it with policy=fsdp2_tiny (policy.backend=fsdp2)")
     cfg, _ = load_config("grpo_tiny_cpu_fsdp2_phi3", [])
     assert (cfg.policy.backend, cfg.policy.model_path) == ("fsdp2", "tiny://phi3")
+
+
+def test_fsdp2_refuses_a_model_whose_training_state_outgrows_this_machine(tmp_path):
+    """A checkpoint whose safetensors header declares 10 B fp32 parameters (160 GB of training state,
+    more than this CPU machine's memory); the header alone is read."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "hidden_size": 64}))
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "F32", "shape": [100_000, 100_000],
+                                                       "data_offsets": [0, 0]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    message = load_error("policy=fsdp2_tiny", f"policy.model_path={tmp_path}", "policy.num_workers=2",
+                         "policy.train_global_batch_size=64")
+    assert message.startswith(f"policy.model_path: training {tmp_path} under policy.backend=fsdp2 holds at least "
+                              f"80.0 GB per rank (10.00 B parameters x 16 bytes of fp32 weights, gradients and Adam "
+                              f"moments / policy.num_workers=2), more than the ")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rlkit.config.named import Lazy
-from rlkit.config.schema import ConfigError, PolicyConfig
+from rlkit.config.schema import ConfigError, PolicyConfig, RootConfig
 from rlkit.models.shape import ModelShape
 from rlkit.workers.policy import fsdp2_rules, megatron_rules
 
@@ -22,6 +22,8 @@ class Backend:
     imports: Callable[[PolicyConfig], str]
     # the heads its models may have: "lm" (token logprobs), "value" (PPO's critic), "reward" (a reward model)
     heads: tuple[str, ...]
+    # the model's training state against the devices it will run on, where they are known as the config loads
+    check_fits: Callable[[RootConfig], None] = lambda cfg: None
 
 
 BACKENDS = {
@@ -29,7 +31,8 @@ BACKENDS = {
                         megatron_rules.check_megatron_settings, megatron_rules.check_megatron_layout,
                         megatron_rules.data_parallel_size, lambda p: p.bridge, ("lm", "value", "reward")),
     "fsdp2": Backend(Lazy("rlkit.workers.policy.fsdp2:FSDP2ModelWorker"), fsdp2_rules.check_fsdp2_settings,
-                     fsdp2_rules.check_fsdp2_layout, lambda p: p.num_workers, lambda p: "", ("lm",)),
+                     fsdp2_rules.check_fsdp2_layout, lambda p: p.num_workers, lambda p: "", ("lm",),
+                     fsdp2_rules.check_fsdp2_fits),
 }
 
 

@@ -73,8 +73,9 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
 
     def _sharded_model(self, model_dir: str, trained: bool) -> torch.nn.Module:
         """model_dir's weights in fp32, each decoder layer (transformers' _no_split_modules) and
-        then the whole model sharded over every rank; computing in bf16 under policy.precision=bf16,
-        with activation checkpointing per layer under policy.fsdp2.activation_checkpointing."""
+        then the whole model sharded over every rank; computing in bf16 under policy.precision=bf16
+        (an untied LM head in fp32 under policy.fp32_lm_head), with activation checkpointing per
+        layer under policy.fsdp2.activation_checkpointing."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
@@ -93,6 +94,10 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         for module in model.modules():
             if type(module).__name__ in layer_classes:
                 fully_shard(module, **shard)
+        if bf16 and self.cfg.fp32_lm_head and not model.config.get_text_config().tie_word_embeddings:
+            # fp32 logits from the bf16 hidden states, as the generation engines compute them
+            fully_shard(model.get_output_embeddings(),
+                        **{**shard, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32)})
         fully_shard(model, **shard)
         if not trained:
             model.requires_grad_(False)

@@ -4,7 +4,7 @@ the model's shape. Each is one ConfigError line, raised as the config loads; fre
 loading a config must not import (tests/unit/test_cli_startup.py)."""
 
 from rlkit.config.choices import OFFLOAD_MODES
-from rlkit.config.schema import ConfigError, PolicyConfig, check_choice, check_positive
+from rlkit.config.schema import ConfigError, PolicyConfig, RootConfig, check_choice, check_positive
 from rlkit.models.shape import ModelShape
 from rlkit.models.tiny import ARCHITECTURES, parse_tiny
 from rlkit.workers.policy.backends import training_backend
@@ -44,6 +44,11 @@ def check_policy(p: PolicyConfig) -> None:
 def check_model_layout(p: PolicyConfig, shape: ModelShape) -> None:
     """The backend's layout against the model's shape (policy.backend's check_layout)."""
     training_backend(p).check_layout(p, shape)
+
+
+def check_model_fits(cfg: RootConfig) -> None:
+    """The model's training state against the run's devices (policy.backend's check_fits)."""
+    training_backend(cfg.policy).check_fits(cfg)
 
 
 def check_heads(p: PolicyConfig, algorithm: str, heads: set[str]) -> None:
