@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit.algorithms.objectives import NextTokenNLL
+from rlkit.algorithms.objectives import NextTokenNLL, ValueRegression
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.data.packing import pack_sequences
+from rlkit.launch.config import load_config
 from rlkit.models.resolve import resolve_model_dir
 
 pytestmark = pytest.mark.integration
@@ -117,3 +118,26 @@ def test_bf16_compute_with_an_fp32_lm_head_and_activation_checkpointing_follows_
     assert 0 < (bf16_logprobs - fp32_logprobs).abs().max().item() < 0.05  # bf16 rounding, and no more
     assert bf16_step["loss"] == pytest.approx(fp32_step["loss"], rel=1e-2)
     assert bf16_step["grad_norm"] == pytest.approx(fp32_step["grad_norm"], rel=5e-2)
+
+
+def test_a_critic_matches_megatrons(model_workers, cache_dir, tmp_path_factory):
+    """PPO's critic (a zero-initialised value head with a bias in the LM head's place, on the policy
+    checkpoint's trunk): values before and after one clipped value-regression step, and the step's
+    loss and gradient norm, FSDP2's two ranks against Megatron's one."""
+    rows, returns = _rows(8, 0), torch.randn(8, 11, generator=torch.Generator().manual_seed(3))
+    batch = rows.with_fields(response_mask=rows["loss_mask"], old_values=torch.zeros(8, 11), returns=returns)
+    results = {}
+    for name, overrides in BACKENDS.items():
+        cfg, _ = load_config("ppo_tiny_cpu", [*overrides, "policy.micro_batch_size=4", "policy.train_global_batch_size=8",
+                                              "algorithm.warm_start.sft_steps=0", f"run.cache_dir={cache_dir}",
+                                              f"run.output_dir={tmp_path_factory.mktemp('critic')}"])
+        critic = model_workers.start(cfg, resolve_model_dir(cfg), head="value")
+        results[name] = (critic.logprobs(batch), critic.train(batch, batch_totals(batch["response_mask"]),
+                                                              ValueRegression(clip=0.2, aggregation="token-mean")),
+                         critic.logprobs(batch))
+    (fsdp2_before, fsdp2_step, fsdp2_after), (megatron_before, megatron_step, megatron_after) = results.values()
+    assert fsdp2_before.abs().max().item() == megatron_before.abs().max().item() == 0.0  # the heads start at zero
+    assert fsdp2_step["loss"] == pytest.approx(megatron_step["loss"], abs=TOLERANCE)
+    assert fsdp2_step["grad_norm"] == pytest.approx(megatron_step["grad_norm"], rel=TOLERANCE)
+    assert fsdp2_after.abs().max().item() > 100 * TOLERANCE  # the step moved them
+    assert (fsdp2_after - megatron_after).abs().max().item() < TOLERANCE

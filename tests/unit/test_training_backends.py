@@ -62,8 +62,10 @@ def test_fsdp2_without_its_section_names_the_policy_group():
 
 
 def test_fsdp2_refuses_an_algorithm_whose_head_it_does_not_build():
-    with pytest.raises(ConfigError, match=r"^policy.backend: algorithm ppo trains a model with a value head"):
-        load_config("ppo_tiny_cpu", ["policy=fsdp2_tiny"])
+    with pytest.raises(ConfigError, match=r"^policy.backend: algorithm reward_model trains a model with a reward head"):
+        load_config("reward_model_tiny_cpu", ["policy=fsdp2_tiny"])
+    cfg, _ = load_config("ppo_tiny_cpu", ["policy=fsdp2_tiny"])  # its critic's value head it builds
+    assert cfg.policy.backend == "fsdp2"
 
 
 def test_fsdp2_refuses_a_checkpoint_that_needs_trust_remote_code(tmp_path):

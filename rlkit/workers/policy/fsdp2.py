@@ -38,14 +38,17 @@ ATTENTION = {"sdpa": "sdpa", "local": "eager"}
 class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
     def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, seed: int, threads: int,
                  collective_timeout_s: float, head: str = "lm", stage_checkpoints: bool = False):
-        """Imports only; setup() builds. head: "lm" alone (the config refuses the others under this
-        backend); stage_checkpoints: unused, checkpoints are written before save_checkpoint returns."""
+        """Imports only; setup() builds. head: "lm" (token logprobs) or "value" (PPO's critic: a
+        zero-initialised scalar head, with a bias, in the LM head's place; the config refuses
+        "reward" under this backend); stage_checkpoints: unused, checkpoints are written before
+        save_checkpoint returns."""
         self.startup = PhaseTimes()
         torch.set_num_threads(threads)
         with self.startup.phase("imports"):
             from torch.distributed import fsdp  # noqa: F401
             import transformers  # noqa: F401
-        self.cfg, self.rank, self.head, self.name = cfg, rank, head, "policy"
+        self.cfg, self.rank, self.head = cfg, rank, head
+        self.name = "critic" if head == "value" else "policy"  # its folder in a checkpoint
         self._setup_args = (model_dir, world_size, seed, collective_timeout_s)
 
     def setup(self, master_addr: str, master_port: int):
@@ -79,8 +82,13 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
+        # a critic's head replaces the LM head, which must not stay tied to the embeddings
+        untied = {"tie_word_embeddings": False} if self.head == "value" else {}
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                     attn_implementation=ATTENTION[self.cfg.attention_backend])
+                                                     attn_implementation=ATTENTION[self.cfg.attention_backend],
+                                                     **untied)
+        if self.head == "value":
+            model.set_output_embeddings(_value_head(model.config.get_text_config().hidden_size))
         if ON_GPU:
             model = model.cuda()
         if trained and self.cfg.fsdp2.activation_checkpointing:
@@ -130,16 +138,19 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
     # ---- forward / backward ------------------------------------------------------------
     def _head_outputs(self, model, mb: Batch, entropy: bool = False,
                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token-aligned logprobs [b, S] of a micro-batch's rows (position t: log p(token t | the
-        tokens before it); 0 at t = 0) at the sampling temperature, and with entropy their
-        distributions' entropy aligned likewise."""
+        """Token-aligned head outputs [b, S] of a micro-batch's rows: the policy's logprobs
+        (position t: log p(token t | the tokens before it); 0 at t = 0) at the sampling temperature,
+        and with entropy their distributions' entropy aligned likewise; or the critic's values
+        (position t: the value of the prefix before token t) and no entropy."""
         device = torch.cuda.current_device() if ON_GPU else "cpu"
         input_ids = mb["input_ids"].to(device)
         logits = model(input_ids=input_ids, **_positions_and_mask(mb, device)).logits
+        width = input_ids.shape[1]
+        if self.head == "value":
+            return _token_aligned(logits[..., 0].float(), width), None
         next_ids = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))  # the last position predicts nothing read
         logprobs, token_entropy = token_logprobs_and_entropy(logits, next_ids, self.temperature, entropy=entropy,
                                                              entropy_grad=entropy_grad)
-        width = input_ids.shape[1]
         return _token_aligned(logprobs, width), None if token_entropy is None else _token_aligned(token_entropy,
                                                                                                      width)
 
@@ -164,9 +175,10 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
 
     @profiled
     def train(self, batch: Batch, totals: BatchTotals, objective: Callable) -> dict:
-        """One optimizer step over this rank's shard, minimising objective(logprobs, micro_batch,
+        """One optimizer step over this rank's shard, minimising objective(head outputs, micro_batch,
         totals) (algorithms/objectives.py), whose value on a micro-batch is its exact share of the
-        global batch's loss; its summed metrics and the gradient norm before clipping."""
+        global batch's loss; its summed metrics (the policy's entropy among them) and the gradient
+        norm before clipping."""
         optimizer = self._optimizer_ready()
         self.model.train()
         parts, _ = self._micro_batches(batch)
@@ -174,16 +186,17 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         for i, mb in enumerate(parts):
             # gradients are reduced over the ranks once, after the last micro-batch
             self.model.set_requires_gradient_sync(i == len(parts) - 1)
-            logprobs, entropy = self._head_outputs(self.model, mb, entropy=True,
-                                                   entropy_grad=objective.uses_entropy)
-            mb = Batch({k: v.to(logprobs.device) for k, v in mb.tensors.items()})
+            output, entropy = self._head_outputs(self.model, mb, entropy=self.head == "lm",
+                                                 entropy_grad=objective.uses_entropy)
+            mb = Batch({k: v.to(output.device) for k, v in mb.tensors.items()})
             if objective.uses_entropy:  # the objective reads it, with its gradient
                 mb = mb.with_fields(entropy=entropy)
-            value, metrics = objective(logprobs, mb, totals)
+            value, metrics = objective(output, mb, totals)
             # FSDP2 averages gradients over the ranks; the losses are exact shares of the whole already
             (value * self.world_size).backward()
-            sums.append({**{k: v.detach() for k, v in metrics.items()}, "loss": value.detach(),
-                         "entropy": (entropy.detach() * mb[objective.mask_key]).sum()})
+            sums.append({**{k: v.detach() for k, v in metrics.items()}, "loss": value.detach()})
+            if entropy is not None:
+                sums[-1]["entropy"] = (entropy.detach() * mb[objective.mask_key]).sum()
         grad_norm = _clip_grad_norm(self.model, self.cfg.optimizer.clip_grad)
         if not torch.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
@@ -201,8 +214,8 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         sums = []
         with torch.no_grad():
             for mb in parts:
-                logprobs, _ = self._head_outputs(self.model, mb)
-                value, metrics = objective(logprobs, Batch({k: v.to(logprobs.device) for k, v in mb.tensors.items()}),
+                output, _ = self._head_outputs(self.model, mb)
+                value, metrics = objective(output, Batch({k: v.to(output.device) for k, v in mb.tensors.items()}),
                                            totals)
                 sums.append({"loss": value, **metrics})
         return summed_on_host(sums)
@@ -298,6 +311,15 @@ def _positions_and_mask(mb: Batch, device) -> dict:
 
     return {"position_ids": mb["position_ids"].to(device),
             "attention_mask": ~packed_attention_mask(mb["segment_ids"].to(device))}
+
+
+def _value_head(hidden_size: int) -> torch.nn.Linear:
+    """A critic's head: one value per position, zero-initialised (it first predicts 0 and learns the
+    rewards' scale), with a bias, as the Megatron critic's ValueHead."""
+    head = torch.nn.Linear(hidden_size, 1)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    return head
 
 
 def _token_aligned(per_position: torch.Tensor, width: int) -> torch.Tensor:
