@@ -14,10 +14,12 @@ def test_grpo_with_fp8_rollouts_keeps_the_engine_on_the_policy(ray_cluster, make
     result = train(cfg, resolved)
     for metrics in result.history[1:]:
         assert all(math.isfinite(metrics[k]) for k in ["train/reward", "train/grad_norm", "train/entropy"])
-        # every tensor through vLLM's quantizing loader, none replayed
-        assert metrics["refit/replayable_fraction"] == 0.0
         # fp8 weights sample near the bf16 policy (bf16 engines: <= 1.05); random weights would be far off
         assert metrics["refit/token_mult_prob_error"] <= 1.5
+    # every tensor of each refit through vLLM's quantizing loader, none replayed (rows of steps whose
+    # rollout followed no refit have no refit figures)
+    refits = [m for m in result.history[1:] if "refit/replayable_fraction" in m]
+    assert refits and all(m["refit/replayable_fraction"] == 0.0 for m in refits)
     steps = enumerate(result.history[1:], 1)
     print("fp8 rollouts: " + ", ".join(f"step {i}: reward {m['train/reward']:.3f} mult_err "
                                        f"{m['refit/token_mult_prob_error']:.4f}" for i, m in steps))
