@@ -25,23 +25,25 @@ ENGINE = dict(gpu_memory_utilization=0.5, max_model_len=1024, enforce_eager=True
 class VllmDirect:
     """vLLM as a user would call it, in a Ray actor like rlkit's worker."""
 
-    def __init__(self, model_dir: str, engine: dict):
+    def __init__(self, model_dir: str, engine: dict, raw_outputs: bool):
         import os
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         from vllm import LLM
         self.llm = LLM(model=model_dir, **engine)
+        # vLLM's defaults decode text and build a logprob object per token; rlkit asks for neither
+        self.outputs = dict(detokenize=False, flat_logprobs=True) if raw_outputs else {}
 
     def generate(self, prompt_ids, max_tokens, temperature, ignore_eos) -> int:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=1.0, top_k=-1, logprobs=0,
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, **self.outputs)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
 class RlkitWorker:
-    def __init__(self, model_dir: str, engine: dict):
+    def __init__(self, model_dir: str, engine: dict, raw_outputs: bool):
         from rlkit.launch.config import load_config
         from rlkit.workers.generation.vllm import VLLMGenerationWorker
         cfg, _ = load_config("grpo_tiny_gpu", [f"generation.vllm.gpu_memory_utilization={engine['gpu_memory_utilization']}",
@@ -58,9 +60,9 @@ class RlkitWorker:
 
 
 def throughput(actor_cls, model_dir: str, engine: dict, prompt_ids, max_tokens: int, rounds: int,
-               ignore_eos: bool) -> float:
+               ignore_eos: bool, raw_outputs: bool) -> float:
     import ray
-    actor = ray.remote(num_gpus=1)(actor_cls).remote(model_dir, engine)
+    actor = ray.remote(num_gpus=1)(actor_cls).remote(model_dir, engine, raw_outputs)
     ray.get(actor.generate.remote(prompt_ids[:8], 8, 1.0, ignore_eos))  # engine up, warm
     rates = []
     for _ in range(rounds):
@@ -82,6 +84,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cuda-graphs", action="store_true", help="both engines capture CUDA graphs (as rollouts do)")
     parser.add_argument("--ignore-eos", action="store_true", help="every sample is --max-tokens long")
+    parser.add_argument("--raw-outputs", action="store_true",
+                        help="vLLM's own call without text or per-token logprob objects, as rlkit's worker asks")
     parser.add_argument("--checkpoints", default=tempfile.gettempdir() + "/rlkit_bench")
     parser.add_argument("--out", default="generation.json")
     args = parser.parse_args()
@@ -95,10 +99,12 @@ def main():
     g = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(0, 300, (args.prompts, args.prompt_len), generator=g).tolist()
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
-    direct = throughput(VllmDirect, model_dir, engine, prompt_ids, args.max_tokens, args.rounds, args.ignore_eos)
-    rlkit = throughput(RlkitWorker, model_dir, engine, prompt_ids, args.max_tokens, args.rounds, args.ignore_eos)
+    runs = (engine, prompt_ids, args.max_tokens, args.rounds, args.ignore_eos, args.raw_outputs)
+    direct = throughput(VllmDirect, model_dir, *runs)
+    rlkit = throughput(RlkitWorker, model_dir, *runs)
     result = {"model": model, "prompts": args.prompts, "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "cuda_graphs": args.cuda_graphs, "ignore_eos": args.ignore_eos,
+              "raw_outputs": args.raw_outputs,
               "vllm_tokens_per_s": direct, "rlkit_tokens_per_s": rlkit, "ratio": rlkit / direct}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
