@@ -41,10 +41,18 @@ def megatron_target_modules(target_modules: list[str]) -> list[str]:
 
 
 def check_peft(peft: PeftConfig | None, hidden_size: int = 0) -> None:
-    """policy.peft against its own ranges and the model's hidden size (0: unknown): one ConfigError
-    naming the key. Which backends build adapters: rlkit/bridge/base.py check_bridge."""
+    """policy.peft against its own ranges and the model's hidden size (0: unknown), then its target
+    modules against Megatron's fused layers: one ConfigError naming the key. Which backends build
+    adapters: rlkit/bridge/base.py check_bridge."""
     if peft is None:
         return
+    check_peft_ranges(peft, hidden_size)
+    megatron_target_modules(peft.target_modules)
+
+
+def check_peft_ranges(peft: PeftConfig, hidden_size: int = 0) -> None:
+    """policy.peft's type, rank, alpha and dropout against their ranges and the model's hidden size
+    (0: unknown), whichever backend builds the adapters."""
     check_choice("policy.peft.type", peft.type, PEFT_TYPES)
     if peft.rank < 1:
         raise ConfigError(f"policy.peft.rank: must be >= 1 (got: {peft.rank}); e.g. 8")
@@ -59,7 +67,6 @@ def check_peft(peft: PeftConfig | None, hidden_size: int = 0) -> None:
         raise ConfigError(f"policy.peft.alpha: must be > 0 (got: {peft.alpha}); e.g. twice policy.peft.rank")
     if not 0 <= peft.dropout < 1:
         raise ConfigError(f"policy.peft.dropout: must lie in [0, 1) (got: {peft.dropout}); e.g. 0.0")
-    megatron_target_modules(peft.target_modules)
 
 
 def check_init_from(peft: PeftConfig | None) -> None:

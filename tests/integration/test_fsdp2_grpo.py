@@ -36,3 +36,23 @@ def test_grpo_trains_a_phi3_policy_under_fsdp2_refits_it_and_resumes_exactly(war
     (run_dir / "metrics.jsonl").rename(run_dir / "uninterrupted.jsonl")
     resumed = steps(train(*make_cfg(*RUN), pool=warm_pool).run_dir / "metrics.jsonl")
     assert sorted(resumed) == [2] and resumed[2] == uninterrupted[2]  # from step 1's checkpoint, step 2 alone
+
+
+@pytest.mark.parametrize("refit_peft", ["merged", "adapter"])
+def test_lora_grpo_under_fsdp2_refits_its_adapters_and_checkpoints_them_alone(warm_pool, make_cfg, refit_peft):
+    """grpo_tiny_lora_cpu's adapters (HF peft's LoRA on every linear layer, the base frozen) on the
+    FSDP2 policy: the KL reference is the base with the adapters off (0 at the first step), the
+    generation workers get the merged weights or the adapters alone and sample the policy's
+    logprobs, and a checkpoint holds the adapters with a record of their base."""
+    # Phi-3's own module names: peft adapts its fused layers as they are
+    peft = "{type: lora, rank: 8, alpha: 16, dropout: 0.0, target_modules: [qkv_proj, o_proj, gate_up_proj, down_proj]}"
+    run_dir = train(*make_cfg(*RUN, f"run.name=fsdp2_lora_{refit_peft}", f"policy.peft={peft}",
+                              "policy.optimizer.lr=1e-3", f"refit.peft={refit_peft}", "checkpoint.every=2"),
+                    pool=warm_pool).run_dir
+    metrics = steps(run_dir / "metrics.jsonl")
+    assert metrics[1]["train/reference_kl"] == 0.0
+    for step in (1, 2):
+        assert metrics[step]["refit/logprob_abs_error_max"] < 1e-4, metrics[step]
+        assert metrics[step]["train/grad_norm"] > 0, metrics[step]
+    assert metrics[2]["train/reference_kl"] > 0  # the adapters moved the policy off its base
+    assert (run_dir / "checkpoints" / "step_000002" / "policy" / "base.json").is_file()

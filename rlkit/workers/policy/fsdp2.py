@@ -6,6 +6,7 @@ its shard's answer. Weights and Adam stay fp32 (policy.precision=bf16 computes i
 FSDP2's MixedPrecisionPolicy); logprobs and entropy come from rlkit's token head (token_head.py),
 losses from the objectives the controller sends, exactly as the Megatron worker computes them."""
 
+import os
 import uuid
 from datetime import timedelta
 from typing import Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from rlkit.bridge.adapters import write_hf_peft_adapter
 from rlkit.checkpoint import WrittenFiles
 from rlkit.config.schema import PolicyConfig
 from rlkit.data.batch import Batch, BatchTotals
@@ -21,7 +23,8 @@ from rlkit.observability.profiling import profiled
 from rlkit.observability.startup import PhaseTimes
 from rlkit.refit.sender import RefitSender
 from rlkit.workers.policy.base import TrainingBackend
-from rlkit.workers.policy.fsdp2_checkpoint import FSDP2Checkpoints
+from rlkit.workers.policy.fsdp2_checkpoint import FSDP2Checkpoints, load_hf_weights
+from rlkit.workers.policy.fsdp2_peft import adapter_weights, base_names, merged_weights, restart_adapters, with_adapters
 from rlkit.workers.policy.hand_over import MemoryHandOver
 from rlkit.workers.policy.held_rollout import HeldRollout
 from rlkit.workers.policy.pool_lifecycle import collect
@@ -49,6 +52,7 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
             import transformers  # noqa: F401
         self.cfg, self.rank, self.head = cfg, rank, head
         self.name = "critic" if head == "value" else "policy"  # its folder in a checkpoint
+        self.adapters = cfg.peft if head == "lm" else None  # policy.peft adapts the policy; a critic trains all
         self._setup_args = (model_dir, world_size, seed, collective_timeout_s)
 
     def setup(self, master_addr: str, master_port: int):
@@ -66,7 +70,11 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         with self.startup.phase("build"):
             self.model = self._sharded_model(model_dir, trained=True)
         self.hand_over = MemoryHandOver(self.cfg.offload, ON_GPU)
-        self.checkpoints = FSDP2Checkpoints(self.name, self.rank, model_dir)
+        self.checkpoints = FSDP2Checkpoints(self.name, self.rank, model_dir, adapters=self.adapters is not None)
+        if self.adapters is not None and self.adapters.init_from is not None:
+            self.checkpoints.load_adapters(self.adapters.init_from, self.model)
+        self.base_dir = model_dir  # the HF checkpoint under policy.peft's adapters (init_reference may replace it)
+        self.reference_is_base = False  # the reference is the policy with its adapters off (init_reference)
         self.refit_sender = RefitSender(self)
         self.held = None
         self.optimizer = None  # built at the first use (_optimizer_ready)
@@ -75,10 +83,11 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         self.reference = None
 
     def _sharded_model(self, model_dir: str, trained: bool) -> torch.nn.Module:
-        """model_dir's weights in fp32, each decoder layer (transformers' _no_split_modules) and
-        then the whole model sharded over every rank; computing in bf16 under policy.precision=bf16
-        (an untied LM head in fp32 under policy.fp32_lm_head), with activation checkpointing per
-        layer under policy.fsdp2.activation_checkpointing."""
+        """model_dir's weights in fp32 (the trained policy under policy.peft's adapters), each
+        decoder layer (transformers' _no_split_modules) and then the whole model sharded over every
+        rank; computing in bf16 under policy.precision=bf16 (an untied LM head in fp32 under
+        policy.fp32_lm_head), with activation checkpointing per layer under
+        policy.fsdp2.activation_checkpointing."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
@@ -94,6 +103,8 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         if trained and self.cfg.fsdp2.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        if trained and self.adapters is not None:
+            model = with_adapters(model, self.adapters)
         bf16 = self.cfg.precision == "bf16"
         shard = dict(mesh=self.mesh, reshard_after_forward=self.cfg.fsdp2.reshard_after_forward,
                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
@@ -122,8 +133,17 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         self.temperature = temperature
 
     def init_reference(self, hf_dir: str):
-        """The frozen KL reference: hf_dir's weights, sharded as the policy's are."""
-        self.reference = self._sharded_model(hf_dir, trained=False)
+        """The frozen KL reference: hf_dir's weights, sharded as the policy's are. With adapters
+        (policy.peft) the policy's own base with the adapters off, no second copy: hf_dir's weights
+        become the base, and adapters over another base restart from adding nothing."""
+        if self.adapters is None:
+            self.reference = self._sharded_model(hf_dir, trained=False)
+            return
+        if os.path.realpath(hf_dir) != os.path.realpath(self.base_dir):
+            load_hf_weights(self.model, hf_dir, base_names(self.model))
+            restart_adapters(self.model)
+            self.base_dir = hf_dir
+        self.reference_is_base = True
 
     # ---- memory while a colocated engine generates ----------------------------------------
     @profiled
@@ -169,6 +189,9 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         return self._forward_with(self.model, batch)
 
     def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.reference_is_base:
+            with self.model.disable_adapter():
+                return self._forward_with(self.model, batch)
         if self.reference is None:
             raise RuntimeError("the reference policy was asked for before init_reference")
         return self._forward_with(self.reference, batch)
@@ -246,9 +269,12 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
 
     # ---- weights out: HF names straight from the shards ----------------------------------
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, whole tensor) of every weight as transformers saves it (a tied weight once),
-        each gathered from its shards in turn. Collective."""
+        """(HF name, whole tensor) of every weight as transformers saves it (a tied weight once;
+        policy.peft's adapters merged in), each gathered from its shards in turn. Collective."""
         self.wake()
+        if self.adapters is not None:
+            yield from merged_weights(self.model, self.adapters)
+            return
         for name, param in self.model.named_parameters():
             yield name, param.detach().full_tensor()
 
@@ -256,12 +282,17 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         return None  # each tensor is gathered whole from its shards
 
     def export_refit_adapters(self, dtype: str) -> dict[str, torch.Tensor] | None:
-        raise RuntimeError("policy.peft is refused under policy.backend=fsdp2 as the config loads")
+        """refit.peft=adapter: {HF PEFT name: CPU tensor in dtype} of policy.peft's adapters on rank
+        0, None elsewhere. Collective."""
+        self.wake()
+        adapters = {name: tensor.to("cpu", getattr(torch, dtype), copy=True)
+                    for name, tensor in adapter_weights(self.model)}
+        return adapters if self.rank == 0 else None
 
     # ---- checkpoints and exports (fsdp2_checkpoint.py) ------------------------------------
     def save_checkpoint(self, ckpt_dir: str, save_format: str) -> dict[str, float]:
         return self.checkpoints.save(ckpt_dir, save_format, self.model, self._optimizer_ready(), self.lr,
-                                     self.hf_weights)
+                                     self.hf_weights, self.base_dir)
 
     def finish_checkpoint(self, wait: bool) -> WrittenFiles | None:
         return WrittenFiles({})  # written before save_checkpoint returned
@@ -277,7 +308,12 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         self.checkpoints.save_hf(out_dir, self.hf_weights)
 
     def save_peft_adapter(self, out_dir: str):
-        raise RuntimeError("policy.peft is refused under policy.backend=fsdp2 as the config loads")
+        """policy.peft's adapters as an HF PEFT folder over the base. Collective."""
+        self.wake()
+        adapters = dict(adapter_weights(self.model))
+        if self.rank == 0:
+            write_hf_peft_adapter(out_dir, adapters, self.adapters, self.base_dir)
+        dist.barrier()
 
     # ---- a warm pool's idle process ---------------------------------------------------
     def release(self):

@@ -1,8 +1,9 @@
 """An FSDP2 rank's checkpoints and HF exports. checkpoint.save_format=dist: the model's and AdamW's
 sharded state through torch.distributed.checkpoint (each rank writes its shards; it loads onto any
-number of ranks); hf: the HF weights (loadable by transformers) with the optimizer's state as a
-distributed checkpoint beside them. Either way each rank's RNG state and the learning rate, so a
-resumed run continues exactly. Written before save() returns."""
+number of ranks), with policy.peft the adapters' alone and a record of their base (adapter_base.py);
+hf: the HF weights (loadable by transformers) with the optimizer's state as a distributed
+checkpoint beside them. Either way each rank's RNG state and the learning rate, so a resumed run
+continues exactly. Written before save() returns."""
 
 import os
 import time
@@ -12,23 +13,28 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
+from rlkit.workers.policy.adapter_base import record_base, weights_digest
 from rlkit.workers.policy.checkpoint_io import checkpoint_folders, rng_file
+from rlkit.workers.policy.fsdp2_peft import is_adapter
 
 HFWeights = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # the worker's collective HF-named export
 
 
 class FSDP2Checkpoints:
-    def __init__(self, name: str, rank: int, model_dir: str):
+    def __init__(self, name: str, rank: int, model_dir: str, adapters: bool):
         """name: the model's folder in a checkpoint; model_dir: the HF checkpoint it was built from
-        (its config and tokenizer go with every HF export)."""
-        self.name, self.rank, self.model_dir = name, rank, model_dir
+        (its config and tokenizer go with every HF export); adapters: the model trains policy.peft's
+        adapters alone, which are all its checkpoints hold."""
+        self.name, self.rank, self.model_dir, self.adapters = name, rank, model_dir, adapters
+        self._digests = {}  # the adapters' base folder -> its weights_digest, taken at its first checkpoint
 
-    def save(self, ckpt_dir: str, save_format: str, model, optimizer, lr: float, hf_weights: HFWeights) -> dict:
-        """Weights, optimizer state, this rank's RNG and the learning rate into ckpt_dir/<name>.
-        Collective. The seconds training was held."""
+    def save(self, ckpt_dir: str, save_format: str, model, optimizer, lr: float, hf_weights: HFWeights,
+             base_dir: str) -> dict:
+        """Weights (or the adapters, over base_dir's weights), optimizer state, this rank's RNG and
+        the learning rate into ckpt_dir/<name>. Collective. The seconds training was held."""
         held = time.perf_counter()
         own_dir = checkpoint_folders(ckpt_dir, self.name, self.rank)
         rng = {"torch": torch.get_rng_state(), "lr": lr}
@@ -37,7 +43,11 @@ class FSDP2Checkpoints:
         torch.save(rng, rng_file(ckpt_dir, self.name, self.rank))
         model_state, optimizer_state = get_state_dict(model, optimizer)
         if save_format == "dist":
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=own_dir)
+            dcp.save({"model": self._trained(model_state), "optimizer": optimizer_state}, checkpoint_id=own_dir)
+            if self.adapters and self.rank == 0:
+                if base_dir not in self._digests:
+                    self._digests[base_dir] = weights_digest(base_dir)
+                record_base(own_dir, base_dir, self._digests[base_dir])
         else:
             self.save_hf(os.path.join(own_dir, "hf"), hf_weights)
             dcp.save({"optimizer": optimizer_state}, checkpoint_id=os.path.join(own_dir, "optimizer"))
@@ -49,14 +59,11 @@ class FSDP2Checkpoints:
         own_dir = os.path.join(ckpt_dir, self.name)
         model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout to read into
         if save_format == "dist":
-            state = {"model": model_state, "optimizer": optimizer_state}
+            state = {"model": self._trained(model_state), "optimizer": optimizer_state}
             dcp.load(state, checkpoint_id=own_dir)
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not self.adapters))
         else:
-            from safetensors.torch import load_file
-
-            whole = load_file(os.path.join(own_dir, "hf", "model.safetensors"))
-            set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, strict=False))
+            load_hf_weights(model, os.path.join(own_dir, "hf"))
             state = {"optimizer": optimizer_state}
             dcp.load(state, checkpoint_id=os.path.join(own_dir, "optimizer"))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -68,6 +75,17 @@ class FSDP2Checkpoints:
                 torch.cuda.set_rng_state(rng["cuda"])
         dist.barrier()
         return torch.load(rng_file(ckpt_dir, self.name, 0), weights_only=False)["lr"]
+
+    def load_adapters(self, ckpt_dir: str, model) -> None:
+        """policy.peft.init_from: the adapters of a checkpoint's ckpt_dir/<name>, without their
+        optimizer state. Collective."""
+        state = {"model": self._trained(get_model_state_dict(model))}
+        dcp.load(state, checkpoint_id=os.path.join(ckpt_dir, self.name))
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+
+    def _trained(self, model_state: dict) -> dict:
+        """What a checkpoint holds of the model: the adapters alone under policy.peft."""
+        return {k: v for k, v in model_state.items() if is_adapter(k)} if self.adapters else model_state
 
     def save_hf(self, out_dir: str, hf_weights: HFWeights) -> None:
         """An HF checkpoint in out_dir: every weight (gathered on each rank in turn, written by rank
@@ -82,3 +100,16 @@ class FSDP2Checkpoints:
             AutoConfig.from_pretrained(self.model_dir).save_pretrained(out_dir)
             AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(out_dir)
         dist.barrier()
+
+
+def load_hf_weights(model, hf_dir: str, names: dict[str, str] | None = None) -> None:
+    """hf_dir's safetensors weights into the sharded model, each under names[its HF name] (None: as
+    named). Weights the directory lacks (a tied head, adapters) keep their values. Collective."""
+    from safetensors.torch import load_file
+
+    whole = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        whole.update(load_file(path))
+    if names is not None:
+        whole = {names[name]: tensor for name, tensor in whole.items() if name in names}
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, strict=False))

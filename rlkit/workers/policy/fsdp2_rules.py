@@ -10,6 +10,7 @@ import struct
 import subprocess
 from pathlib import Path
 
+from rlkit.bridge.adapters import check_peft_ranges
 from rlkit.config.schema import ConfigError, PolicyConfig, RootConfig
 from rlkit.models.shape import ModelShape
 
@@ -31,14 +32,18 @@ def check_fsdp2_settings(p: PolicyConfig) -> None:
             raise ConfigError(f"policy.{name}: a Megatron layout key, which policy.backend=fsdp2 does not use (got: "
                               f"{size}); set policy.{name}=1 (FSDP2 shards every weight over policy.num_workers "
                               f"ranks) or policy.backend=megatron")
-    if p.peft is not None:
-        raise ConfigError("policy.peft: adapters train under policy.backend=megatron only for now (got: "
-                          f"{p.peft.type}); set policy.peft=null or policy.backend=megatron")
 
 
 def check_fsdp2_layout(p: PolicyConfig, shape: ModelShape) -> None:
-    """The model's architecture is one transformers itself implements: a checkpoint whose code
-    comes with it (config.json's auto_map) would need trust_remote_code, which rlkit does not run."""
+    """policy.peft's ranges (HF peft's LoRA takes any module names: each is an HF module of the
+    model's own), and the model's architecture is one transformers itself implements: a checkpoint
+    whose code comes with it (config.json's auto_map) would need trust_remote_code, which rlkit
+    does not run."""
+    if p.peft is not None:
+        check_peft_ranges(p.peft, shape.hidden)
+        if not p.peft.target_modules:
+            raise ConfigError("policy.peft.target_modules: must name at least one of the model's linear layers "
+                              "(got: []); e.g. [q_proj, k_proj, v_proj, o_proj]")
     if p.model_path.startswith("tiny://") or shape.model_type is None:
         return
     if not _transformers_implements(shape.model_type):
