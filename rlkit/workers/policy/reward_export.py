@@ -32,7 +32,7 @@ def save_sequence_classifier(bridge, chunks: list, out_dir: str) -> None:
     trunk = trunk_weights(bridge, chunks)
     head = head_weight(chunks)
     if dist.get_rank() == 0:
-        _write(bridge, {**trunk, SCORE: head}, out_dir)
+        write_sequence_classifier(bridge.hf_config, bridge.hf_dir, {**trunk, SCORE: head}, out_dir)
     dist.barrier()
 
 
@@ -68,16 +68,18 @@ def _parameter(chunks: list) -> torch.Tensor:
     return next(unwrap(chunks[0]).parameters())
 
 
-def _write(bridge, weights: dict[str, torch.Tensor], out_dir: str) -> None:
+def write_sequence_classifier(hf_config, hf_dir: str, weights: dict[str, torch.Tensor], out_dir: str) -> None:
+    """weights (the trunk's HF names and SCORE) as an HF sequence classifier of hf_config's
+    architecture in out_dir, with the tokenizer of the checkpoint hf_dir."""
     from huggingface_hub import save_torch_state_dict
 
     from rlkit.models.tokenizer import load_tokenizer
 
-    config = copy.deepcopy(bridge.hf_config)
+    config = copy.deepcopy(hf_config)
     classifier = sequence_classifier(config.model_type)
     if classifier is None:  # rlkit convert refuses such a checkpoint before any worker starts
         raise ValueError(f"transformers has no sequence classifier for {config.model_type} models")
-    tokenizer = load_tokenizer(bridge.hf_dir)  # with rlkit's pad token (EOS where the model has none)
+    tokenizer = load_tokenizer(hf_dir)  # with rlkit's pad token (EOS where the model has none)
     config.architectures = [classifier]
     config.num_labels = 1
     # HF reads each row's score at its last token that is not this one, as rlkit reads the reward
