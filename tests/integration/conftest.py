@@ -113,10 +113,11 @@ class ModelWorkerPool:
         self.pool, self.taken = pool, None
 
     def start(self, cfg, model_dir, head: str = "lm") -> ModelWorkers:
-        """cfg's policy (head "lm") or critic (head "value") on model_dir's weights, set up."""
-        model_cfg = cfg.policy if head == "lm" else critic_config(cfg)
+        """cfg's policy (head "lm"; "reward": a reward model in its place) or critic (head "value")
+        on model_dir's weights, set up."""
+        model_cfg = critic_config(cfg) if head == "value" else cfg.policy
         self.release()
-        self.taken = self.pool.take("policy" if head == "lm" else "critic", worker_class(model_cfg),
+        self.taken = self.pool.take("critic" if head == "value" else "policy", worker_class(model_cfg),
                                     training_backend(model_cfg).imports(model_cfg),
                                     model_worker_args(cfg, model_cfg, str(model_dir), head), model_cfg.num_workers,
                                     cfg.cluster.call_timeout_s)

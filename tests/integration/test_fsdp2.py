@@ -11,12 +11,14 @@ Tolerance 1e-5 as in test_policy_parity.py (Megatron against transformers)."""
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification
 
-from rlkit.algorithms.objectives import NextTokenNLL, ValueRegression
+from rlkit.algorithms.objectives import BradleyTerry, NextTokenNLL, ValueRegression
 from rlkit.data.batch import Batch, batch_totals
 from rlkit.data.packing import pack_sequences
 from rlkit.launch.config import load_config
 from rlkit.models.resolve import resolve_model_dir
+from rlkit.models.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.integration
 TOLERANCE = 1e-5
@@ -141,3 +143,42 @@ def test_a_critic_matches_megatrons(model_workers, cache_dir, tmp_path_factory):
     assert fsdp2_step["grad_norm"] == pytest.approx(megatron_step["grad_norm"], rel=TOLERANCE)
     assert fsdp2_after.abs().max().item() > 100 * TOLERANCE  # the step moved them
     assert (fsdp2_after - megatron_after).abs().max().item() < TOLERANCE
+
+
+def test_a_reward_model_matches_megatrons_and_exports_as_a_sequence_classifier(model_workers, cache_dir,
+                                                                              tmp_path_factory):
+    """A reward model (the critic's head without its bias): rewards before and after one
+    Bradley-Terry step on 4 pairs, and the step's loss and gradient norm, FSDP2's two ranks against
+    Megatron's one; FSDP2's HF export, an HF sequence classifier, scores each row as the trained
+    model reads its reward (after its last token, the first pad position)."""
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.randint(3, 10, (8,), generator=g)
+    positions = torch.arange(11)
+    pad = load_tokenizer(resolve_model_dir(make_reward_cfg(cache_dir, tmp_path_factory, "megatron"))).pad_token_id
+    input_ids = torch.where(positions < lengths[:, None], torch.randint(10, 300, (8, 11), generator=g), pad)
+    rows = Batch({"input_ids": input_ids, "loss_mask": (positions == lengths[:, None]).float(), "margins": torch.zeros(8)})
+    totals = batch_totals(rows["loss_mask"][0::2])  # rows alternate chosen, rejected: 4 pairs
+    results = {}
+    for name in BACKENDS:
+        cfg = make_reward_cfg(cache_dir, tmp_path_factory, name)
+        reward_model = model_workers.start(cfg, resolve_model_dir(cfg), head="reward")
+        results[name] = (reward_model.train(rows, totals, BradleyTerry()), reward_model.logprobs(rows))
+    (fsdp2_step, fsdp2_after), (megatron_step, megatron_after) = results["fsdp2"], results["megatron"]
+    assert fsdp2_step["loss"] == pytest.approx(megatron_step["loss"], abs=TOLERANCE)  # log 2: the head starts at 0
+    assert fsdp2_step["grad_norm"] == pytest.approx(megatron_step["grad_norm"], rel=TOLERANCE)
+    assert (fsdp2_after - megatron_after).abs().max().item() < TOLERANCE
+    exported = tmp_path_factory.mktemp("fsdp2_reward_model")
+    reward_model.save_hf(str(exported))
+    classifier = AutoModelForSequenceClassification.from_pretrained(exported, dtype=torch.float32).eval()
+    with torch.no_grad():
+        scores = classifier(input_ids).logits[:, 0]
+    rewards = (fsdp2_after * rows["loss_mask"]).sum(dim=1)
+    assert rewards.abs().max().item() > 100 * TOLERANCE and (scores - rewards).abs().max().item() < TOLERANCE
+
+
+def make_reward_cfg(cache_dir, tmp_path_factory, backend: str):
+    cfg, _ = load_config("reward_model_tiny_cpu", [*BACKENDS[backend], "policy.micro_batch_size=4",
+                                                   "policy.train_global_batch_size=8", "algorithm.warm_start.sft_steps=0",
+                                                   f"run.cache_dir={cache_dir}",
+                                                   f"run.output_dir={tmp_path_factory.mktemp('reward_model')}"])
+    return cfg

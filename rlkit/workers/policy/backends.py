@@ -31,7 +31,7 @@ BACKENDS = {
                         megatron_rules.check_megatron_settings, megatron_rules.check_megatron_layout,
                         megatron_rules.data_parallel_size, lambda p: p.bridge, ("lm", "value", "reward")),
     "fsdp2": Backend(Lazy("rlkit.workers.policy.fsdp2:FSDP2ModelWorker"), fsdp2_rules.check_fsdp2_settings,
-                     fsdp2_rules.check_fsdp2_layout, lambda p: p.num_workers, lambda p: "", ("lm", "value"),
+                     fsdp2_rules.check_fsdp2_layout, lambda p: p.num_workers, lambda p: "", ("lm", "value", "reward"),
                      fsdp2_rules.check_fsdp2_fits),
 }
 

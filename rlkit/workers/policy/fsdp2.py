@@ -41,10 +41,10 @@ ATTENTION = {"sdpa": "sdpa", "local": "eager"}
 class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
     def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, seed: int, threads: int,
                  collective_timeout_s: float, head: str = "lm", stage_checkpoints: bool = False):
-        """Imports only; setup() builds. head: "lm" (token logprobs) or "value" (PPO's critic: a
-        zero-initialised scalar head, with a bias, in the LM head's place; the config refuses
-        "reward" under this backend); stage_checkpoints: unused, checkpoints are written before
-        save_checkpoint returns."""
+        """Imports only; setup() builds. head: "lm" (token logprobs), "value" (PPO's critic: a
+        zero-initialised scalar head, with a bias, in the LM head's place) or "reward" (a reward
+        model: that head without its bias, exported as an HF sequence classifier);
+        stage_checkpoints: unused, checkpoints are written before save_checkpoint returns."""
         self.startup = PhaseTimes()
         torch.set_num_threads(threads)
         with self.startup.phase("imports"):
@@ -70,7 +70,8 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         with self.startup.phase("build"):
             self.model = self._sharded_model(model_dir, trained=True)
         self.hand_over = MemoryHandOver(self.cfg.offload, ON_GPU)
-        self.checkpoints = FSDP2Checkpoints(self.name, self.rank, model_dir, adapters=self.adapters is not None)
+        self.checkpoints = FSDP2Checkpoints(self.name, self.rank, model_dir, adapters=self.adapters is not None,
+                                            reward=self.head == "reward")
         if self.adapters is not None and self.adapters.init_from is not None:
             self.checkpoints.load_adapters(self.adapters.init_from, self.model)
         self.base_dir = model_dir  # the HF checkpoint under policy.peft's adapters (init_reference may replace it)
@@ -91,13 +92,14 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        # a critic's head replaces the LM head, which must not stay tied to the embeddings
-        untied = {"tie_word_embeddings": False} if self.head == "value" else {}
+        # a scalar head replaces the LM head, which must not stay tied to the embeddings
+        untied = {"tie_word_embeddings": False} if self.head != "lm" else {}
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                      attn_implementation=ATTENTION[self.cfg.attention_backend],
                                                      **untied)
-        if self.head == "value":
-            model.set_output_embeddings(_value_head(model.config.get_text_config().hidden_size))
+        if self.head != "lm":
+            model.set_output_embeddings(_scalar_head(model.config.get_text_config().hidden_size,
+                                                     bias=self.head == "value"))
         if ON_GPU:
             model = model.cuda()
         if trained and self.cfg.fsdp2.activation_checkpointing:
@@ -160,13 +162,13 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token-aligned head outputs [b, S] of a micro-batch's rows: the policy's logprobs
         (position t: log p(token t | the tokens before it); 0 at t = 0) at the sampling temperature,
-        and with entropy their distributions' entropy aligned likewise; or the critic's values
-        (position t: the value of the prefix before token t) and no entropy."""
+        and with entropy their distributions' entropy aligned likewise; or a critic's values or
+        a reward model's rewards (position t: that of the prefix before token t) and no entropy."""
         device = torch.cuda.current_device() if ON_GPU else "cpu"
         input_ids = mb["input_ids"].to(device)
         logits = model(input_ids=input_ids, **_positions_and_mask(mb, device)).logits
         width = input_ids.shape[1]
-        if self.head == "value":
+        if self.head != "lm":
             return _token_aligned(logits[..., 0].float(), width), None
         next_ids = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))  # the last position predicts nothing read
         logprobs, token_entropy = token_logprobs_and_entropy(logits, next_ids, self.temperature, entropy=entropy,
@@ -349,12 +351,14 @@ def _positions_and_mask(mb: Batch, device) -> dict:
             "attention_mask": ~packed_attention_mask(mb["segment_ids"].to(device))}
 
 
-def _value_head(hidden_size: int) -> torch.nn.Linear:
-    """A critic's head: one value per position, zero-initialised (it first predicts 0 and learns the
-    rewards' scale), with a bias, as the Megatron critic's ValueHead."""
-    head = torch.nn.Linear(hidden_size, 1)
+def _scalar_head(hidden_size: int, bias: bool) -> torch.nn.Linear:
+    """One value per position, zero-initialised (a critic first predicts 0 and learns the rewards'
+    scale), as Megatron's ValueHead: with a bias for a critic, without for a reward model (the
+    Bradley-Terry loss is blind to a constant; HF's sequence classifiers' score layer has none)."""
+    head = torch.nn.Linear(hidden_size, 1, bias=bias)
     torch.nn.init.zeros_(head.weight)
-    torch.nn.init.zeros_(head.bias)
+    if bias:
+        torch.nn.init.zeros_(head.bias)
     return head
 
 

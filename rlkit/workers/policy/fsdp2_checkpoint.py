@@ -19,16 +19,18 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from rlkit.workers.policy.adapter_base import record_base, weights_digest
 from rlkit.workers.policy.checkpoint_io import checkpoint_folders, rng_file
 from rlkit.workers.policy.fsdp2_peft import is_adapter
+from rlkit.workers.policy.reward_export import LM_HEAD, SCORE, write_sequence_classifier
 
 HFWeights = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # the worker's collective HF-named export
 
 
 class FSDP2Checkpoints:
-    def __init__(self, name: str, rank: int, model_dir: str, adapters: bool):
+    def __init__(self, name: str, rank: int, model_dir: str, adapters: bool, reward: bool):
         """name: the model's folder in a checkpoint; model_dir: the HF checkpoint it was built from
         (its config and tokenizer go with every HF export); adapters: the model trains policy.peft's
-        adapters alone, which are all its checkpoints hold."""
-        self.name, self.rank, self.model_dir, self.adapters = name, rank, model_dir, adapters
+        adapters alone, which are all its checkpoints hold; reward: a reward model, whose HF export
+        is a sequence classifier."""
+        self.name, self.rank, self.model_dir, self.adapters, self.reward = name, rank, model_dir, adapters, reward
         self._digests = {}  # the adapters' base folder -> its weights_digest, taken at its first checkpoint
 
     def save(self, ckpt_dir: str, save_format: str, model, optimizer, lr: float, hf_weights: HFWeights,
@@ -89,12 +91,18 @@ class FSDP2Checkpoints:
 
     def save_hf(self, out_dir: str, hf_weights: HFWeights) -> None:
         """An HF checkpoint in out_dir: every weight (gathered on each rank in turn, written by rank
-        0 as one model.safetensors), the model's config and its tokenizer. Collective."""
+        0 as one model.safetensors), the model's config and its tokenizer; a reward model's as an HF
+        sequence classifier (its head's weight as score.weight). Collective."""
         from safetensors.torch import save_file
         from transformers import AutoConfig, AutoTokenizer
 
-        weights = {name: tensor.cpu().contiguous() for name, tensor in hf_weights()}
-        if self.rank == 0:
+        # copies: a gathered tensor may view a larger buffer (a weight of fewer rows than ranks)
+        weights = {name: tensor.cpu().clone() for name, tensor in hf_weights()}
+        if self.reward:
+            weights[SCORE] = weights.pop(LM_HEAD)
+            if self.rank == 0:
+                write_sequence_classifier(AutoConfig.from_pretrained(self.model_dir), self.model_dir, weights, out_dir)
+        elif self.rank == 0:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
             AutoConfig.from_pretrained(self.model_dir).save_pretrained(out_dir)
