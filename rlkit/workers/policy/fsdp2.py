@@ -4,7 +4,9 @@ layer, then the whole model), so any architecture transformers implements trains
 Every rank is a data-parallel rank with its own shard of each batch, and every rank's results are
 its shard's answer. Weights and Adam stay fp32 (policy.precision=bf16 computes in bf16 through
 FSDP2's MixedPrecisionPolicy); logprobs and entropy come from rlkit's token head (token_head.py),
-losses from the objectives the controller sends, exactly as the Megatron worker computes them."""
+losses from the objectives the controller sends, exactly as the Megatron worker computes them. It
+hosts the policy, PPO's critic or a reward model (a scalar head in the LM head's place), and
+policy.peft's LoRA through HF peft (fsdp2_peft.py); checkpoints and HF exports: fsdp2_checkpoint.py."""
 
 import os
 import uuid
@@ -65,7 +67,7 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
             init_process_group("nccl" if ON_GPU else "gloo", master_addr, master_port, self.rank, world_size,
                                timedelta(seconds=collective_timeout_s), node_address=ray.util.get_node_ip_address())
         torch.manual_seed(seed)
-        self.world_size, self.model_dir = world_size, model_dir
+        self.world_size = world_size
         self.mesh = _device_mesh(world_size)
         with self.startup.phase("build"):
             self.model = self._sharded_model(model_dir, trained=True)
