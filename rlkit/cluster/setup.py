@@ -18,7 +18,6 @@ from rlkit.observability.startup import StartupClock
 from rlkit.workers.generation.base import GenerationWorker as Engine
 from rlkit.workers.policy.backends import training_backend, worker_class
 from rlkit.workers.policy.base import TrainingBackend
-from rlkit.workers.policy.expected_warnings import optional_kernels_missing
 
 log = logging.getLogger("rlkit")
 
@@ -104,7 +103,7 @@ def start_workers(cfg: RootConfig, model_dir: str, with_generation: bool = True,
 def _start_workers(cfg: RootConfig, model_dir: str, with_generation: bool, with_critic: bool, clock: StartupClock,
                    pool: WarmPool | None, started_cluster: bool, policy_head: str) -> RunWorkers:
     device = device_kind()
-    missing = optional_kernels_missing()
+    missing = training_backend(cfg.policy).optional_kernels_missing()
     if missing:
         log.info("%s not installed: Megatron uses its PyTorch fallbacks for fused kernels (fine on CPU; slower on GPU)",
                  " and ".join(missing))

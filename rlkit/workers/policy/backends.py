@@ -10,6 +10,7 @@ from rlkit.config.named import Lazy
 from rlkit.config.schema import ConfigError, PolicyConfig, RootConfig
 from rlkit.models.shape import ModelShape
 from rlkit.workers.policy import fsdp2_rules, megatron_rules
+from rlkit.workers.policy.expected_warnings import optional_kernels_missing
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,15 @@ class Backend:
     heads: tuple[str, ...]
     # the model's training state against the devices it will run on, where they are known as the config loads
     check_fits: Callable[[RootConfig], None] = lambda cfg: None
+    # the optional fused-kernel packages it would use that are not installed (the driver says so once)
+    optional_kernels_missing: Callable[[], list[str]] = lambda: []
 
 
 BACKENDS = {
     "megatron": Backend(Lazy("rlkit.workers.policy.megatron:MegatronModelWorker"),
                         megatron_rules.check_megatron_settings, megatron_rules.check_megatron_layout,
-                        megatron_rules.data_parallel_size, lambda p: p.bridge, ("lm", "value", "reward")),
+                        megatron_rules.data_parallel_size, lambda p: p.bridge, ("lm", "value", "reward"),
+                        optional_kernels_missing=optional_kernels_missing),
     "fsdp2": Backend(Lazy("rlkit.workers.policy.fsdp2:FSDP2ModelWorker"), fsdp2_rules.check_fsdp2_settings,
                      fsdp2_rules.check_fsdp2_layout, lambda p: p.num_workers, lambda p: "", ("lm", "value", "reward"),
                      fsdp2_rules.check_fsdp2_fits),
