@@ -34,23 +34,36 @@ def model_dir_problem(key: str, path: str, kind: tuple[str, str]) -> str | None:
     return None
 
 
-def tokenizer_problem(key: str, path: str, needs_chat_template: bool) -> str | None:
-    """Why the tokenizer in `path` cannot render the conversations (no chat template where
-    needed, no pad or EOS token to batch with), naming the env key; None if it can."""
-    from transformers import AutoTokenizer
+# a tokenizer's own files: fast (tokenizers), sentencepiece, byte-level BPE
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
+
+def tokenizer_problem(key: str, path: str, needs_chat_template: bool) -> str | None:
+    """Why the tokenizer in `path` cannot render the conversations (no tokenizer, no chat template
+    where needed, no pad or EOS token to batch with), naming the env key; None if it can. Read from
+    its files, not loaded: a config's checks import no transformers (nor torch behind it)."""
+    folder = Path(path)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return f"{key}: no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}); save the model's tokenizer there"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - whatever the files lack, the user's to see
-        return f"{key}: no tokenizer loads from {path} ({type(e).__name__}: {e}); save the model's tokenizer there"
-    if needs_chat_template and not tokenizer.chat_template:
+        settings = {**_json_or_empty(folder / "special_tokens_map.json"),
+                    **_json_or_empty(folder / "tokenizer_config.json")}
+    except (OSError, json.JSONDecodeError) as e:
+        return f"{key}: cannot read the tokenizer's settings in {path} ({e}); save the model's tokenizer there"
+    template = settings.get("chat_template") or any((folder / name).is_file() for name in
+                                                    ("chat_template.jinja", "chat_template.json"))
+    if needs_chat_template and not template:
         return (f"{key}: the tokenizer in {path} has no chat template to render the conversation with; save one "
                 f"with the model (tokenizer.chat_template), or set env.chat_template=false to score the prompt "
                 f"and response as plain text")
-    if tokenizer.pad_token is None and tokenizer.eos_token is None:
+    if not settings.get("pad_token") and not settings.get("eos_token"):
         return f"{key}: the tokenizer in {path} has neither a pad nor an EOS token to batch with; set pad_token " \
                f"in its tokenizer_config.json"
     return None
+
+
+def _json_or_empty(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def dtype_problem(dtype: str) -> str | None:

@@ -18,8 +18,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import ray
-
 from rlkit.envs.base import Environment
 
 # a batch of requests -> one answer per request, in order
@@ -52,6 +50,8 @@ class ServerSettings:
     def start(self, load: Callable[[], BatchModel], cache_size: int = 0):
         """The server actor, loading its model (load() in its process). num_cpus=0: the run's
         placement group may hold every CPU of the cluster."""
+        import ray  # here, not above: a config's checks read this module and import no ray
+
         return ray.remote(ModelServer).options(num_cpus=0, num_gpus=self.num_gpus).remote(
             load, self.batch_size, self.max_wait_s, cache_size)
 
@@ -150,6 +150,8 @@ class ModelHandle:
     loaded here. `what` names the model in errors, e.g. "reward model /ckpt/rm"."""
 
     def __init__(self, server, load: Callable[[], BatchModel], what: str, settings: ServerSettings):
+        import ray
+
         self.server, self.what, self.settings = server, what, settings
         self.local = load() if server is None else None
         if server is not None:
@@ -157,6 +159,8 @@ class ModelHandle:
             ray.get(server.register.remote())
 
     def _wait_until_loaded(self) -> None:
+        import ray
+
         try:
             problem = ray.get(self.server.ready.remote(), timeout=self.settings.load_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -172,6 +176,8 @@ class ModelHandle:
         does not answer within env.timeout_s raises TimeoutError: the runner counts a timeout."""
         if self.server is None:
             return self.local([request])[0], False
+        import ray
+
         try:
             return ray.get(self.server.submit.remote(request), timeout=self.settings.timeout_s)
         except ray.exceptions.GetTimeoutError:
