@@ -269,8 +269,21 @@ class SFTDataConfig(FileDataConfig):
     pack: bool = MISSING
 
 
+@dataclass
+class PreferenceSetConfig(ArithmeticSetConfig):
+    """Arithmetic preference pairs: rejected is the answer off by 1-3, or with this probability a
+    malformed response (the answer repeated or with extra characters, empty, random characters)."""
+
+    malformed_fraction: float = 0.0  # a default here: the sets written before the key stay as they were
+
+
+@dataclass
+class PreferenceDataConfig(FileDataConfig):
+    synthetic: Optional[PreferenceSetConfig] = None
+
+
 # data.name -> its schema
-DATASETS = {"prompts": PromptDataConfig, "sft_files": SFTDataConfig, "preference_files": FileDataConfig}
+DATASETS = {"prompts": PromptDataConfig, "sft_files": SFTDataConfig, "preference_files": PreferenceDataConfig}
 
 
 @dataclass

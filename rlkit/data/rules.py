@@ -49,3 +49,7 @@ def _check_synthetic(d: PromptDataConfig | FileDataConfig) -> None:
     if s.val_size == 0 and d.val_path is not None:
         raise ConfigError("data.synthetic.val_size: must be >= 1 while data.val_path is set (got: 0); to skip "
                           "validation set data.val_path=null")
+    malformed = getattr(s, "malformed_fraction", 0.0)  # preference sets only
+    if not 0.0 <= malformed <= 1.0:
+        raise ConfigError(f"data.synthetic.malformed_fraction: must be in [0, 1] (got: {malformed}); the share of "
+                          f"rejected responses that are malformed instead of near misses")

@@ -22,19 +22,42 @@ def sft_records(rows: list[dict], chat: bool) -> list[dict]:
     return [{"prompt": r["prompt"], "response": r["answer"]} for r in rows]
 
 
-def preference_records(rows: list[dict], seed: int) -> list[dict]:
-    """One record per row: {"prompt", "chosen": the answer, "rejected": the answer off by 1 to 3},
-    the offsets drawn deterministically from seed."""
-    rng = random.Random(seed)
-    return [{"prompt": r["prompt"], "chosen": r["answer"],
-             "rejected": str(int(r["answer"]) + rng.choice([-3, -2, -1, 1, 2, 3]))} for r in rows]
+def preference_records(rows: list[dict], seed: int, malformed_fraction: float = 0.0) -> list[dict]:
+    """One record per row: {"prompt", "chosen": the answer, "rejected": the answer off by 1 to 3, or
+    with probability malformed_fraction a malformed response}, drawn deterministically from seed. A
+    reward model that has seen only near misses scores what it never saw at random, and a policy
+    trained on its scores finds those responses (docs/algorithms.md)."""
+    rng, malformed_rng = random.Random(seed), random.Random(seed + 1)
+    records = []
+    for r in rows:
+        rejected = str(int(r["answer"]) + rng.choice([-3, -2, -1, 1, 2, 3]))
+        if malformed_fraction and malformed_rng.random() < malformed_fraction:
+            rejected = malformed_response(r["answer"], malformed_rng)
+        records.append({"prompt": r["prompt"], "chosen": r["answer"], "rejected": rejected})
+    return records
+
+
+_CHARACTERS = "0123456789+-*= abcdefghijklmnopqrstuvwxyz"
+
+
+def malformed_response(answer: str, rng: random.Random) -> str:
+    """Not the answer alone: repeated, a character before or after it, trailing text, empty, or
+    1-6 random characters."""
+    forms = [lambda: answer * rng.randint(2, 3), lambda: rng.choice(_CHARACTERS) + answer,
+             lambda: answer + rng.choice(_CHARACTERS), lambda: answer + rng.choice(" =+") + str(rng.randrange(100)),
+             lambda: "", lambda: "".join(rng.choice(_CHARACTERS) for _ in range(rng.randint(1, 6)))]
+    while True:
+        response = rng.choice(forms)()
+        if response.strip() != answer:
+            return response
 
 
 def generated_sets(d: PromptDataConfig | FileDataConfig) -> list[tuple[str, str, list[dict]]]:
     """(config key, path, records) of each split data.synthetic writes: data.train_path, and
     data.val_path unless it is null. Generating runs the generator's checks (ConfigError)."""
     as_records = {"prompts": lambda rows: rows, "sft_files": lambda rows: sft_records(rows, chat=True),
-                  "preference_files": lambda rows: preference_records(rows, d.synthetic.seed)}[d.name]
+                  "preference_files": lambda rows: preference_records(rows, d.synthetic.seed,
+                                                                          d.synthetic.malformed_fraction)}[d.name]
     train, val = synthetic_splits(d.synthetic)
     return [(key, path, as_records(rows)) for key, path, rows in [("data.train_path", d.train_path, train),
                                                                    ("data.val_path", d.val_path, val)]

@@ -253,6 +253,18 @@ def test_arithmetic_sft_records_load_and_train_on_the_answer(tmp_path, tokenizer
     assert texts == [r["answer"] + "<|im_end|>" for r in ARITHMETIC]
 
 
+def test_malformed_rejected_responses_replace_near_misses_at_their_rate():
+    near = preference_records(ARITHMETIC * 50, seed=3)
+    mixed = preference_records(ARITHMETIC * 50, seed=3, malformed_fraction=0.5)
+    assert preference_records(ARITHMETIC * 50, seed=3, malformed_fraction=0.5) == mixed
+    malformed = [m["rejected"] for n, m in zip(near, mixed) if m["rejected"] != n["rejected"]]
+    assert 0.35 < len(malformed) / len(mixed) < 0.65
+    # never the answer, and not a number either: a reward model learns that only the bare answer is right
+    assert all(m["rejected"].strip() != m["chosen"] for m in mixed)
+    assert sum(not r.strip().lstrip("-").isdigit() for r in malformed) > len(malformed) / 2
+    assert "" in malformed and any(len(r) > 3 for r in malformed)
+
+
 def test_arithmetic_preferences_are_deterministic_and_differ(tokenizer):
     records = preference_records(ARITHMETIC, seed=3)
     assert [r["chosen"] for r in records] == [r["answer"] for r in ARITHMETIC]
