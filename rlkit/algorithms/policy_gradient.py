@@ -37,6 +37,7 @@ from rlkit.data.batch import Batch, BatchTotals, batch_totals
 from rlkit.data.generation import SamplingParams
 from rlkit.data.prompts import Prompt, PromptRenderer, load_prompt_splits
 from rlkit.envs.base import load_environment
+from rlkit.envs.reward_models.metrics import score_means
 from rlkit.envs.runner import EnvironmentPool
 from rlkit.envs.tools import environment_tools
 from rlkit.observability.logprob_agreement import agreement_metrics, reference_kl
@@ -267,7 +268,11 @@ class PolicyGradientTrainer:
         episodes = self.episodes(self.val_rows, params)
         self.refit.reclaim()  # what follows (training, a checkpoint) needs the trained models' memory
         summary = episodes.summary("val")
-        return {**refit_metrics, **hand_over, **{k: summary[k] for k in ("val/reward", "val/accuracy") if k in summary}}
+        # beside the reward: the length, and each model reward's own score (combined/<part>, reward_model/raw),
+        # so that a model reward rising while the rule's accuracy falls shows on held-out prompts too
+        scores = {f"val/{k}": v for k, v in score_means(episodes.metrics).items()}
+        return {**refit_metrics, **hand_over, **scores,
+                **{k: summary[k] for k in ("val/reward", "val/accuracy", "val/response_length") if k in summary}}
 
     def save(self, checkpoint_dir: str) -> dict[str, float]:
         """The policy, and the rollouts launched ahead (max_staleness > 0): generated from
