@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from rlkit.launch.config import RECIPES_DIR, compose_recipe
+from recipe_stand_ins import reward_model_overrides
 
 # each costs from half a second (Ray) to seconds (torch) at import; sympy: math_verify's, ~1 s
 HEAVY = ("torch", "ray", "megatron", "transformers", "vllm", "sympy")
@@ -62,6 +63,7 @@ def test_every_recipes_checks_run_without_torch(recipe, tmp_path):
         (tmp_path / "model" / "config.json").write_text(json.dumps(
             {"model_type": "qwen2", "num_attention_heads": 12, "num_key_value_heads": 2}))
         overrides.append(f"policy.model_path={tmp_path / 'model'}")
+    overrides += reward_model_overrides(recipe, tmp_path)
     exit_code, heavy, stderr = run(["train", "--config-name", recipe, *overrides])
     assert exit_code == 2 and stderr.startswith("rlkit: config error: run.output_dir: "), stderr[-2000:]
     assert heavy == [], f"{recipe}'s config checks imported {heavy}"

@@ -13,6 +13,7 @@ from rlkit.cli import main
 from rlkit.algorithms.registry import load_algorithm
 from rlkit.config.schema import ConfigError, RootConfig
 from rlkit.launch.config import CONFIG_GROUPS_DIR, RECIPES_DIR, compose_recipe, load_config
+from recipe_stand_ins import reward_model_overrides
 
 RECIPE = "grpo_tiny_cpu"  # defaults: DP=2 (2 workers, TP=PP=1), micro-batch 16, global batch 128,
 # rollout 32 prompts x 8 samples = 256, warm start 40 SFT steps of 64 samples, tiny://qwen2 (4 heads / 2 KV heads)
@@ -312,6 +313,11 @@ FAMILY_ERRORS = [
      ["must be >= 1", "(got: 0)"], ["data.synthetic.train_size=1"]),
     ("dpo-synthetic-val-size-zero", "dpo_tiny_cpu", ["data.synthetic.val_size=0"], "data.synthetic.val_size",
      ["data.val_path=null"], ["data.synthetic.val_size=0", "data.val_path=null"]),
+    ("reward-model-malformed-fraction", "reward_model_tiny_cpu", ["data.synthetic.malformed_fraction=1.5"],
+     "data.synthetic.malformed_fraction", ["must be in [0, 1]", "(got: 1.5)"], ["data.synthetic.malformed_fraction=1"]),
+    # a prompt set has no rejected responses
+    ("prompts-malformed-fraction", "grpo_tiny_cpu", ["+data.synthetic.malformed_fraction=0.5"],
+     "data.synthetic.malformed_fraction", ["unknown key"], []),
     # word problems: operands up to 1 give too few distinct questions for 4000 + 200
     ("word-problems-too-few", "grpo_tiny_cpu", ["data=word_problems", "data.synthetic.max_operand=1"],
      "data.synthetic.max_operand", ["distinct word problems with max_operand=1"],
@@ -531,6 +537,7 @@ def test_recipe_loads_and_validates(name, tmp_path):
         # pretrained recipes: a stand-in directory with the config.json validation reads
         (tmp_path / "config.json").write_text('{"num_attention_heads": 12, "num_key_value_heads": 4}')
         overrides = [f"policy.model_path={tmp_path}"]
+    overrides += reward_model_overrides(name, tmp_path)
     cfg, resolved = load_config(name, overrides)
     assert isinstance(cfg, RootConfig)
     assert cfg.run.name == name  # each recipe names its run after itself
