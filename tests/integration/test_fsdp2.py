@@ -11,6 +11,7 @@ Tolerance 1e-5 as in test_policy_parity.py (Megatron against transformers)."""
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_warm_pool import _process_group_and_gloo_threads
 from transformers import AutoModelForSequenceClassification
 
 from rlkit.algorithms.objectives import BradleyTerry, NextTokenNLL, ValueRegression
@@ -182,3 +183,18 @@ def make_reward_cfg(cache_dir, tmp_path_factory, backend: str):
                                                    f"run.cache_dir={cache_dir}",
                                                    f"run.output_dir={tmp_path_factory.mktemp('reward_model')}"])
     return cfg
+
+
+def test_an_idle_fsdp2_worker_holds_no_process_group(model_workers, make_cfg):
+    """Given back to the pool after a training step, an FSDP2 worker leaves its process group and
+    frees it at once: idle, it runs none of the run's gloo threads (test_warm_pool.py: Megatron's)."""
+    cfg, _ = make_cfg(*BACKENDS["fsdp2"], "policy.micro_batch_size=4", "policy.train_global_batch_size=8")
+    policy = model_workers.start(cfg, resolve_model_dir(cfg))
+    rows = _rows(8, 0)
+    policy.train(rows, batch_totals(rows["loss_mask"]), NextTokenNLL())
+    worker = policy.workers.actors[0]
+    in_group, threads_in_run = _process_group_and_gloo_threads(worker)
+    model_workers.release()
+    still_in_group, threads_idle = _process_group_and_gloo_threads(worker)
+    assert in_group and threads_in_run > 0
+    assert not still_in_group and threads_idle == 0

@@ -321,6 +321,11 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
 
     # ---- a warm pool's idle process ---------------------------------------------------
     def release(self):
+        """Leave the process group and drop the model. torch's DTensor caches keep this run's mesh
+        (their keys hold it), and the mesh its process group, whose gloo threads would run on in the
+        idle process: the mesh lets go of the group."""
+        if "mesh" in self.__dict__:
+            self.mesh._pg_registry.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.__dict__.clear()
