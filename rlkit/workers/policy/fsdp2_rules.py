@@ -1,7 +1,8 @@
 """The config's rules for a model PyTorch FSDP2 trains (policy.backend=fsdp2): every rank holds a
-shard of one copy of the model, so Megatron's model-parallel keys stay at 1, and the model is any
-causal LM the installed transformers builds from its own code. One ConfigError line each, raised as
-the config loads; free of torch and transformers (loading a config imports neither)."""
+shard of one copy of the model, so Megatron's model-parallel keys stay at 1; the model is any
+causal LM the installed transformers builds from its own code, under LoRA on any of its modules;
+and its training state fits the devices a local run has. One ConfigError line each, raised as the
+config loads; free of torch and transformers (loading a config imports neither)."""
 
 import importlib.util
 import json
@@ -22,6 +23,7 @@ MEGATRON_ONLY = ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipe
 
 
 def check_fsdp2_settings(p: PolicyConfig) -> None:
+    """Its own section is there, and Megatron's layout keys keep their defaults."""
     if p.fsdp2 is None:
         raise ConfigError("policy.fsdp2: policy.backend=fsdp2 reads this section, which the policy config lacks (got: "
                           "null); select the FSDP2 policy with policy=fsdp2_tiny, or add the section as "
