@@ -198,3 +198,17 @@ def test_an_idle_fsdp2_worker_holds_no_process_group(model_workers, make_cfg):
     still_in_group, threads_idle = _process_group_and_gloo_threads(worker)
     assert in_group and threads_in_run > 0
     assert not still_in_group and threads_idle == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_an_moe_export_is_the_checkpoint_bit_for_bit(model_workers, make_cfg, arch):
+    """transformers 5 fuses each MoE layer's experts into one tensor per projection as it loads:
+    the export splits them back under the checkpoint's names, and carries the router's expert
+    bias (a buffer), as the generation workers load them."""
+    cfg, _ = make_cfg(*BACKENDS["fsdp2"], f"policy.model_path=tiny://{arch}")
+    model_dir = resolve_model_dir(cfg)
+    exported = model_workers.start(cfg, model_dir).export_hf_weights()
+    checkpoint = load_file(model_dir / "model.safetensors")
+    assert exported.keys() == checkpoint.keys()
+    for name, tensor in checkpoint.items():
+        assert torch.equal(exported[name], tensor), name

@@ -26,6 +26,7 @@ from rlkit.observability.startup import PhaseTimes
 from rlkit.refit.sender import RefitSender
 from rlkit.workers.policy.base import TrainingBackend
 from rlkit.workers.policy.fsdp2_checkpoint import FSDP2Checkpoints, load_hf_weights
+from rlkit.workers.policy.fsdp2_export import in_checkpoint_layout, whole_weights
 from rlkit.workers.policy.fsdp2_peft import adapter_weights, base_names, merged_weights, restart_adapters, with_adapters
 from rlkit.workers.policy.hand_over import MemoryHandOver
 from rlkit.workers.policy.held_rollout import HeldRollout
@@ -273,14 +274,13 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
 
     # ---- weights out: HF names straight from the shards ----------------------------------
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, whole tensor) of every weight as transformers saves it (a tied weight once;
+        """(HF name, whole tensor) of every weight as the HF checkpoint holds it (fsdp2_export.py;
         policy.peft's adapters merged in), each gathered from its shards in turn. Collective."""
         self.wake()
-        if self.adapters is not None:
-            yield from merged_weights(self.model, self.adapters)
-            return
-        for name, param in self.model.named_parameters():
-            yield name, param.detach().full_tensor()
+        if self.adapters is None:
+            yield from in_checkpoint_layout(self.model, whole_weights(self.model))
+        else:
+            yield from in_checkpoint_layout(self.model.get_base_model(), merged_weights(self.model, self.adapters))
 
     def export_rows(self):
         return None  # each tensor is gathered whole from its shards

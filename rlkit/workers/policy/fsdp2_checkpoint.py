@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from rlkit.workers.policy.adapter_base import record_base, weights_digest
 from rlkit.workers.policy.checkpoint_io import checkpoint_folders, rng_file
+from rlkit.workers.policy.fsdp2_export import persistent_buffers
 from rlkit.workers.policy.fsdp2_peft import is_adapter
 from rlkit.workers.policy.reward_export import LM_HEAD, SCORE, write_sequence_classifier
 
@@ -112,12 +113,20 @@ class FSDP2Checkpoints:
 
 def load_hf_weights(model, hf_dir: str, names: dict[str, str] | None = None) -> None:
     """hf_dir's safetensors weights into the sharded model, each under names[its HF name] (None: as
-    named). Weights the directory lacks (a tied head, adapters) keep their values. Collective."""
+    named), every weight of the model's but a tied head and the adapters. Collective."""
     from safetensors.torch import load_file
 
     whole = {}
     for path in sorted(Path(hf_dir).glob("*.safetensors")):
         whole.update(load_file(path))
     if names is not None:
-        whole = {names[name]: tensor for name, tensor in whole.items() if name in names}
+        whole = {names.get(name, name): tensor for name, tensor in whole.items()}
+    expected = {name for name, _ in model.named_parameters() if not is_adapter(name)}
+    expected |= {name for name, _ in persistent_buffers(model)}
+    unknown, missing = sorted(set(whole) - expected), sorted(expected - set(whole))
+    if unknown or missing:
+        # e.g. MoE experts, which transformers fuses as it loads their checkpoint
+        raise RuntimeError(f"{hf_dir} holds weights in another layout than the model's (not the model's: "
+                           f"{unknown[:3]}; missing: {missing[:3]}), which transformers converts as it loads; "
+                           f"rlkit's FSDP2 backend reads that layout only through checkpoint.save_format=dist")
     set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 
 from rlkit.config.schema import PeftConfig
+from rlkit.workers.policy.fsdp2_export import persistent_buffers
 
 # HF peft's names are the HF model's under this prefix (a PeftModel wraps the model twice)
 PEFT_PREFIX = "base_model.model."
@@ -34,7 +35,8 @@ def hf_name(name: str) -> str:
 
 
 def merged_weights(model: torch.nn.Module, peft: PeftConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, whole tensor) of every base weight, an adapted layer's as W + alpha / rank x B A."""
+    """(HF module name, whole tensor) of every base weight, an adapted layer's as W + alpha / rank x
+    B A, then of the persistent buffers."""
     params = dict(model.named_parameters())
     scale = peft.alpha / peft.rank
     for name, param in params.items():
@@ -47,6 +49,8 @@ def merged_weights(model: torch.nn.Module, peft: PeftConfig) -> Iterator[tuple[s
             b = params[f"{module}.lora_B.default.weight"].detach().full_tensor()
             weight = weight + (scale * (b.float() @ a.float())).to(weight.dtype)
         yield hf_name(name), weight
+    for name, buffer in persistent_buffers(model):
+        yield hf_name(name), buffer
 
 
 def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
