@@ -1,6 +1,6 @@
-"""GRPO end to end with vLLM generation, dense and MoE: colocated on one GPU, disaggregated on two;
-on two GPUs also two engines fed by two policy ranks, and one engine spread over both GPUs; on
-three and four, the same disaggregated over nccl."""
+"""GRPO end to end with vLLM generation, dense and MoE, trained by Megatron or FSDP2: colocated on one
+GPU, disaggregated on two; on two GPUs also two engines fed by two policy ranks, and one engine
+spread over both GPUs; on three and four, the same disaggregated over nccl."""
 
 import math
 
@@ -19,11 +19,18 @@ TWO_ENGINES = ["policy.num_workers=2", "generation.num_workers=2"]
 TP2_ENGINE = ["policy.num_workers=2", "generation.num_workers=1", "generation.vllm.tensor_parallel_size=2"]
 # the MoE policy's experts split over two ranks (EP=2), each exporting its experts for the engine beside it
 MOE_EP2 = MOE + ["policy.num_workers=2", "policy.expert_parallel_size=2", "generation.num_workers=2"]
+# the policy trained by PyTorch FSDP2 (configs/policy/fsdp2_gpu.yaml): HF names straight from its shards
+FSDP2 = ["policy=fsdp2_gpu"]
 
 
 @pytest.mark.parametrize("layout", [pytest.param(COLOCATED, id="cuda_ipc"),
                                     pytest.param(DISAGGREGATED, id="nccl", marks=pytest.mark.gpus(2)),
                                     pytest.param(COLOCATED + MOE, id="moe-cuda_ipc"),
+                                    pytest.param(COLOCATED + FSDP2, id="fsdp2-cuda_ipc"),
+                                    pytest.param(DISAGGREGATED + FSDP2, id="fsdp2-nccl", marks=pytest.mark.gpus(2)),
+                                    # two FSDP2 ranks, each feeding the engine on its GPU
+                                    pytest.param(COLOCATED + FSDP2 + TWO_ENGINES, id="fsdp2-two-engines-cuda_ipc",
+                                                 marks=pytest.mark.gpus(2)),
                                     # each episode's requests sent as it makes them (vLLM's generate_requests)
                                     pytest.param(COLOCATED + ["env_runner.flow=per_trajectory"],
                                                  id="per-trajectory-cuda_ipc"),
