@@ -41,6 +41,23 @@ def check_config(cfg: RootConfig) -> None:
                           f"the starting weights and the engines never get new ones (got: {a.max_staleness} with "
                           f"num_steps={a.num_steps}); use at most {a.num_steps - 1}, or 0 for on-policy rollouts")
     _warn_long_warmup(cfg, rollouts)
+    _warn_model_reward_timeouts(cfg)
+
+
+def _warn_model_reward_timeouts(cfg: RootConfig) -> None:
+    """A model reward's own request limit (env.timeout_s, or a combined part's) at or above the
+    runner's step limit: a slow model then times out the whole step (env/timeouts, its worker
+    replaced) before its own limit reports which model was slow, so say so in the run's first lines."""
+    env = cfg.env or {}
+    limits = {"env.timeout_s": env.get("timeout_s")}
+    parts = env.get("parts") or {}
+    limits.update({f"env.parts.{name}.timeout_s": part.get("timeout_s") for name, part in parts.items()
+                   if isinstance(part, dict)})
+    for key, seconds in limits.items():
+        if isinstance(seconds, (int, float)) and seconds >= cfg.env_runner.timeout_s:
+            log.warning("%s: %gs is not below env_runner.timeout_s (%gs): a slow model times out its whole step "
+                        "(env/timeouts, its worker replaced) before its own limit names it; set %s well below "
+                        "env_runner.timeout_s", key, seconds, cfg.env_runner.timeout_s, key)
 
 
 def _check_data_paths(cfg: RootConfig) -> None:

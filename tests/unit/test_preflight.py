@@ -21,6 +21,7 @@ from rlkit.launch.config import RECIPES_DIR, load_config
 from rlkit.launch.preflight import check_prompts, check_resumed_schedule
 from rlkit.launch.run import train
 from rlkit.models.tiny import build_tokenizer
+from recipe_stand_ins import reward_model_overrides
 
 RECIPE = "grpo_tiny_cpu"  # 64 prompts x 8 samples per step, global batch 256: 2 optimizer steps per step
 
@@ -204,6 +205,16 @@ def test_warmup_longer_than_the_run_is_warned_about(dirs, caplog):
 def test_warmup_is_counted_in_optimizer_steps(dirs, caplog, recipe, overrides, warned):
     load_config(recipe, [*dirs, "algorithm.num_steps=4", *overrides])
     assert bool(warnings_of(caplog)) == warned
+
+
+@pytest.mark.parametrize("limit, warned", [(8, False), (10, True)])  # env_runner.timeout_s: 10
+def test_a_model_rewards_limit_at_the_step_limit_is_warned_about(tmp_path, dirs, caplog, limit, warned):
+    load_config("grpo_tiny_cpu_reward_model", [*dirs, *reward_model_overrides("grpo_tiny_cpu_reward_model", tmp_path),
+                                               f"+env.parts.preference.timeout_s={limit}"])
+    assert warnings_of(caplog) == ([
+        f"env.parts.preference.timeout_s: {limit}s is not below env_runner.timeout_s (10s): a slow model times out "
+        "its whole step (env/timeouts, its worker replaced) before its own limit names it; set "
+        "env.parts.preference.timeout_s well below env_runner.timeout_s"] if warned else [])
 
 
 def test_staleness_of_the_whole_run_is_an_error(dirs):
