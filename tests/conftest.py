@@ -35,11 +35,13 @@ def pytest_collection_modifyitems(items):
 # Integration files and tests run apart from the shared stream: each test a unit of work of its
 # own, handed out after the unit tests (collection order), so the process that ran those runs them
 # beside the shared integration tests instead of idling. Three files start Ray clusters of their
-# own (subprocesses); the multi-turn GRPO test, the suite's longest (about 60 s), uses the session's
-# cluster and worker pool, which that process then sets up for itself (about 15 s it has to spare)
+# own (subprocesses); the multi-turn GRPO test, the suite's longest (about 80 s), uses the session's
+# cluster and worker pool, which that process then sets up for itself, and so can RLOO's learning test
+# (about 15 s): the shared stream is the one that ends last
 APART = {"tests/integration/test_interrupts.py", "tests/integration/test_ray_job.py",
          "tests/integration/test_quiet_console.py",
-         "tests/integration/test_env_workers.py::test_multi_turn_grpo_improves"}
+         "tests/integration/test_env_workers.py::test_multi_turn_grpo_improves",
+         "tests/integration/test_algorithms.py::test_reinforce_pp_and_rloo_raise_the_reward[rloo_tiny_cpu]"}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -51,7 +53,7 @@ def pytest_xdist_make_scheduler(config, log):
         out the largest unit first, so the integration tests start at once."""
 
         def _split_scope(self, nodeid: str) -> str:
-            apart = nodeid.split("::", 1)[0] in APART or nodeid.split("[", 1)[0] in APART
+            apart = nodeid in APART or nodeid.split("::", 1)[0] in APART or nodeid.split("[", 1)[0] in APART
             shared = nodeid.startswith("tests/integration/") and not apart
             return "integration" if shared else nodeid
 
