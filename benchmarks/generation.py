@@ -44,6 +44,7 @@ class VllmDirect:
 
 class RlkitWorker:
     def __init__(self, model_dir: str, engine: dict, raw_outputs: bool):
+        del raw_outputs  # rlkit's worker always asks vLLM for no text and flat logprobs
         from rlkit.launch.config import load_config
         from rlkit.workers.generation.vllm import VLLMGenerationWorker
         cfg, _ = load_config("grpo_tiny_gpu", [f"generation.vllm.gpu_memory_utilization={engine['gpu_memory_utilization']}",

@@ -29,11 +29,9 @@ from rlkit.config.schema import DATASETS, ConfigError, RootConfig, check_choice,
 from rlkit.data.rules import check_data
 from rlkit.envs.rules import check_env_runner, check_environment
 from rlkit.launch.preflight import check_config
-from rlkit.models.shape import model_shape
 from rlkit.refit.transport import check_refit
 from rlkit.workers.generation.rules import check_generation
-from rlkit.workers.policy.rules import (check_heads, check_model_fits, check_model_layout, check_policy,
-                                       data_parallel_size)
+from rlkit.workers.policy.rules import check_model, check_policy, data_parallel_size
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_GROUPS_DIR = REPO_ROOT / "configs"
@@ -177,10 +175,7 @@ def validate(cfg: RootConfig) -> None:
     for section in ("algorithm", "policy", "generation", "refit"):
         check_finite(section, getattr(cfg, section))
     algorithm.validate(cfg, data_parallel_size(p))
-    check_heads(p, cfg.algorithm.name, {algorithm.head, *(["value"] if algorithm.critic else [])})
-    shape = model_shape(p.model_path, p.tiny_model.num_layers, p.tiny_model.hidden_size)
-    check_model_layout(p, shape)
-    check_model_fits(cfg)
+    shape = check_model(cfg, {algorithm.head, *(["value"] if algorithm.critic else [])})
     check_init_from(p.peft)
     if algorithm.rollouts:
         check_generation(cfg.generation, shape.heads)

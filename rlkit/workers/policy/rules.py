@@ -5,7 +5,7 @@ loading a config must not import (tests/unit/test_cli_startup.py)."""
 
 from rlkit.config.choices import OFFLOAD_MODES
 from rlkit.config.schema import ConfigError, PolicyConfig, RootConfig, check_choice, check_positive
-from rlkit.models.shape import ModelShape
+from rlkit.models.shape import ModelShape, model_shape
 from rlkit.models.tiny import ARCHITECTURES, parse_tiny
 from rlkit.workers.policy.backends import training_backend
 
@@ -46,12 +46,18 @@ def check_model_layout(p: PolicyConfig, shape: ModelShape) -> None:
     training_backend(p).check_layout(p, shape)
 
 
-def check_model_fits(cfg: RootConfig) -> None:
-    """The model's training state against the run's devices (policy.backend's check_fits)."""
-    training_backend(cfg.policy).check_fits(cfg)
+def check_model(cfg: RootConfig, heads: set[str]) -> ModelShape:
+    """The trained model against the run: the backend builds every head the algorithm needs, its
+    layout fits the model's shape, its training state fits the run's devices; the shape read."""
+    p = cfg.policy
+    _check_heads(p, cfg.algorithm.name, heads)
+    shape = model_shape(p.model_path, p.tiny_model.num_layers, p.tiny_model.hidden_size)
+    check_model_layout(p, shape)
+    training_backend(p).check_fits(cfg)
+    return shape
 
 
-def check_heads(p: PolicyConfig, algorithm: str, heads: set[str]) -> None:
+def _check_heads(p: PolicyConfig, algorithm: str, heads: set[str]) -> None:
     """The backend trains models with every head the algorithm needs (its policy's, a critic's)."""
     missing = sorted(heads - set(training_backend(p).heads))
     if missing:
