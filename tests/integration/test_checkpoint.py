@@ -66,11 +66,11 @@ def reference_run(warm_pool, tmp_path_factory, cache_dir):
     return run_in_process(warm_pool, "grpo_tiny_cpu", tmp_path_factory.mktemp("uninterrupted"), cache_dir)
 
 
-def kill_when(command, condition, point: str, log: Path, timeout_s=300):
+def kill_when(command, condition, point: str, log: Path, timeout_s=300, worker: str = "MegatronModelWorker"):
     """Start the command as its own process group (its output appended to log), SIGKILL the group
-    once condition() holds (the driver and the local Ray cluster it started); then nothing the run
-    started (Ray's processes and workers, and any process a worker started) may remain, nor its Ray
-    session folder."""
+    once condition() holds (the driver and the local Ray cluster it started, whose `worker` processes
+    train the model); then nothing the run started (Ray's processes and workers, and any process a
+    worker started) may remain, nor its Ray session folder."""
     with open(log, "ab") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     deadline, started = time.monotonic() + timeout_s, ProcessTree(process.pid)
@@ -81,7 +81,7 @@ def kill_when(command, condition, point: str, log: Path, timeout_s=300):
     started.look(sockets=False)  # quick, so the kill lands at its point; what ended before needs no check
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    assert any("MegatronModelWorker" in line for _, line in started.processes.values()), point
+    assert any(worker in line for _, line in started.processes.values()), point
     assert started.still_alive() == [], f"left running after a SIGKILL {point}"
     while session_folders(process.pid) and time.monotonic() < deadline:  # removed once the cluster's group is gone
         time.sleep(0.05)

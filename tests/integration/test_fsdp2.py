@@ -11,6 +11,7 @@ Tolerance 1e-5 as in test_policy_parity.py (Megatron against transformers)."""
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_checkpoint import kill_when, run_in_process, train_command
 from test_warm_pool import _process_group_and_gloo_threads
 from transformers import AutoModelForSequenceClassification
 
@@ -212,3 +213,33 @@ def test_an_moe_export_is_the_checkpoint_bit_for_bit(model_workers, make_cfg, ar
     assert exported.keys() == checkpoint.keys()
     for name, tensor in checkpoint.items():
         assert torch.equal(exported[name], tensor), name
+
+
+# three SFT steps on the FSDP2 policy, a checkpoint (HF weights beside Adam's state) after each,
+# the learning rate warming up then decaying (the schedule resumes too)
+KILLED_RUN = ("policy=fsdp2_tiny", "algorithm.num_steps=3", "algorithm.val_every=3",
+              "algorithm.val_before_training=false", "checkpoint.every=1", "checkpoint.save_format=hf",
+              "policy.train_global_batch_size=16", "policy.micro_batch_size=4", "policy.optimizer.lr_schedule=cosine",
+              "policy.optimizer.warmup_steps=1", "policy.optimizer.min_lr_ratio=0.1", "logger.plots=false")
+
+
+def test_an_sft_run_killed_with_sigkill_after_a_checkpoint_resumes_exactly(warm_pool, tmp_path_factory, cache_dir):
+    """sft_tiny_cpu on the FSDP2 policy, killed with SIGKILL once step 2's checkpoint is complete
+    and started again, ends with exactly the uninterrupted run's metrics and step 3's weights bit for
+    bit: weights, Adam's moments and step count, the learning rate's schedule and the data order
+    all came back (fp32 on CPU)."""
+    reference_dir, killed_dir = tmp_path_factory.mktemp("sft_uninterrupted"), tmp_path_factory.mktemp("sft_killed")
+    reference = run_in_process(warm_pool, "sft_tiny_cpu", reference_dir, cache_dir, run=KILLED_RUN)
+    lrs = [reference[step]["train/lr"] for step in (1, 2, 3)]
+    assert lrs[0] == lrs[1] > lrs[2] and all(reference[step]["train/grad_norm"] > 0 for step in (1, 2, 3))
+    checkpoints = killed_dir / "sft_tiny_cpu" / "checkpoints"
+    kill_when(train_command(killed_dir, cache_dir, recipe="sft_tiny_cpu", run=KILLED_RUN),
+              lambda: (checkpoints / "step_000002").is_dir(), "after step 2's checkpoint", killed_dir / "run.log",
+              worker="FSDP2ModelWorker")
+    assert not (checkpoints / "step_000003").exists()  # step 3 is the resumed run's
+    assert run_in_process(warm_pool, "sft_tiny_cpu", killed_dir, cache_dir, run=KILLED_RUN) == reference
+    weights = [load_file(run / "sft_tiny_cpu" / "checkpoints" / "step_000003" / "policy" / "hf" / "model.safetensors")
+               for run in (reference_dir, killed_dir)]
+    assert weights[0].keys() == weights[1].keys()
+    for name, weight in weights[0].items():
+        assert torch.equal(weights[1][name], weight), name
