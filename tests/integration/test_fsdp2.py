@@ -9,6 +9,7 @@ uninterrupted run's bit for bit. Packed rows (SFT's) give Megatron's logprobs to
 Tolerance 1e-5 as in test_policy_parity.py (Megatron against transformers)."""
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 from test_checkpoint import kill_when, run_in_process, train_command
@@ -21,6 +22,8 @@ from rlkit.data.packing import pack_sequences
 from rlkit.launch.config import load_config
 from rlkit.models.resolve import resolve_model_dir
 from rlkit.models.tokenizer import load_tokenizer
+from rlkit.refit.plan import RefitPlan
+from rlkit.workers.policy.base import TrainingBackend as Model
 
 pytestmark = pytest.mark.integration
 TOLERANCE = 1e-5
@@ -109,7 +112,9 @@ def test_a_checkpoint_resumes_the_next_step_exactly(runs, save_format):
 def test_bf16_compute_with_an_fp32_lm_head_and_activation_checkpointing_follows_fp32(model_workers, make_cfg):
     """policy.precision=bf16 (FSDP2's MixedPrecisionPolicy: bf16 compute over fp32 weights and Adam),
     policy.fp32_lm_head (Phi-3's untied head in fp32) and policy.fsdp2.activation_checkpointing
-    (layers recomputed in backward) give fp32's logprobs and step to bf16's precision."""
+    (layers recomputed in backward) give fp32's logprobs and step to bf16's precision. Refit streams
+    the weights as the model computes with them, as Megatron's bf16 parameters go (bf16, the head
+    fp32): the fp32 weights rounded, half their bytes; the HF export keeps them fp32."""
     rows, results = _rows(8, 0), {}
     for precision, checkpointing in [("fp32", "false"), ("bf16", "true")]:
         cfg, _ = make_cfg("policy=fsdp2_tiny", "policy.num_workers=2", "policy.model_path=tiny://phi3",
@@ -122,6 +127,23 @@ def test_bf16_compute_with_an_fp32_lm_head_and_activation_checkpointing_follows_
     assert 0 < (bf16_logprobs - fp32_logprobs).abs().max().item() < 0.05  # bf16 rounding, and no more
     assert bf16_step["loss"] == pytest.approx(fp32_step["loss"], rel=1e-2)
     assert bf16_step["grad_norm"] == pytest.approx(fp32_step["grad_norm"], rel=5e-2)
+    streamed, exported = _streamed_refit(policy), policy.export_hf_weights()
+    assert streamed.keys() == exported.keys() and {t.dtype for t in exported.values()} == {torch.float32}
+    for name, tensor in streamed.items():
+        assert tensor.dtype == (torch.float32 if name == "lm_head.weight" else torch.bfloat16), name
+        assert torch.equal(tensor, exported[name].to(tensor.dtype)), name
+
+
+def _streamed_refit(policy) -> dict[str, torch.Tensor]:
+    """What refit streams through Ray's object store (rank 0 yields the buckets, the other ranks
+    join the gathers), each tensor in its manifest's dtype (no transfer dtype)."""
+    plan = RefitPlan.build(policy.workers.every_rank(Model.refit_manifest)[0], 2**20)
+    streams = [actor.stream_refit_buckets.options(num_returns="streaming").remote(plan, True)
+               for actor in policy.workers.actors]
+    buckets = [ray.get(ref) for ref in streams[0]]
+    for stream in streams[1:]:
+        ray.get(list(stream))
+    return {name: tensor.clone() for bucket in buckets for name, tensor in plan.unpack(bucket, verify=True)}
 
 
 def test_a_critic_matches_megatrons(model_workers, cache_dir, tmp_path_factory):

@@ -26,7 +26,7 @@ from rlkit.observability.startup import PhaseTimes
 from rlkit.refit.sender import RefitSender
 from rlkit.workers.policy.base import TrainingBackend
 from rlkit.workers.policy.fsdp2_checkpoint import FSDP2Checkpoints, load_hf_weights
-from rlkit.workers.policy.fsdp2_export import in_checkpoint_layout, whole_weights
+from rlkit.workers.policy.fsdp2_export import DtypeOf, as_held, in_checkpoint_layout, whole_weights
 from rlkit.workers.policy.fsdp2_peft import adapter_weights, base_names, merged_weights, restart_adapters, with_adapters
 from rlkit.workers.policy.hand_over import MemoryHandOver
 from rlkit.workers.policy.held_rollout import HeldRollout
@@ -118,7 +118,7 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         for module in model.modules():
             if type(module).__name__ in layer_classes:
                 fully_shard(module, **shard)
-        if bf16 and self.cfg.fp32_lm_head and not model.config.get_text_config().tie_word_embeddings:
+        if self._fp32_head(model):
             # fp32 logits from the bf16 hidden states, as the generation engines compute them
             fully_shard(model.get_output_embeddings(),
                         **{**shard, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32)})
@@ -274,13 +274,35 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
 
     # ---- weights out: HF names straight from the shards ----------------------------------
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, whole tensor) of every weight as the HF checkpoint holds it (fsdp2_export.py;
-        policy.peft's adapters merged in), each gathered from its shards in turn. Collective."""
+        """Refit's export (rlkit/refit/sender.py): every weight in the dtype the model computes in,
+        as Megatron's parameters export (bf16 under policy.precision=bf16). Collective."""
+        return self._weights(self._compute_dtype)
+
+    def _full_precision_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._weights(as_held)
+
+    def _weights(self, dtype_of: DtypeOf) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, whole tensor in dtype_of(its parameter)) of every weight as the HF checkpoint
+        holds it (fsdp2_export.py; policy.peft's adapters merged in), each gathered from its shards
+        in turn; checkpoints and HF exports take them as held (fp32). Collective."""
         self.wake()
         if self.adapters is None:
-            yield from in_checkpoint_layout(self.model, whole_weights(self.model))
+            yield from in_checkpoint_layout(self.model, whole_weights(self.model, dtype_of))
         else:
-            yield from in_checkpoint_layout(self.model.get_base_model(), merged_weights(self.model, self.adapters))
+            yield from in_checkpoint_layout(self.model.get_base_model(),
+                                            merged_weights(self.model, self.adapters, dtype_of))
+
+    def _fp32_head(self, model: torch.nn.Module) -> bool:
+        """policy.fp32_lm_head under bf16 compute: an untied LM head computes in fp32."""
+        return (self.cfg.precision == "bf16" and self.cfg.fp32_lm_head
+                and not model.config.get_text_config().tie_word_embeddings)
+
+    def _compute_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
+        """The dtype FSDP2's MixedPrecisionPolicy gathers the parameter in for the forward pass."""
+        if self.cfg.precision != "bf16" or (self._fp32_head(self.model) and any(
+                param is head for head in self.model.get_output_embeddings().parameters())):
+            return torch.float32
+        return torch.bfloat16
 
     def export_rows(self):
         return None  # each tensor is gathered whole from its shards
@@ -296,7 +318,7 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
     # ---- checkpoints and exports (fsdp2_checkpoint.py) ------------------------------------
     def save_checkpoint(self, ckpt_dir: str, save_format: str) -> dict[str, float]:
         return self.checkpoints.save(ckpt_dir, save_format, self.model, self._optimizer_ready(), self.lr,
-                                     self.hf_weights, self.base_dir)
+                                     self._full_precision_weights, self.base_dir)
 
     def finish_checkpoint(self, wait: bool) -> WrittenFiles | None:
         return WrittenFiles({})  # written before save_checkpoint returned
@@ -305,11 +327,11 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         self.set_learning_rate(self.checkpoints.load(ckpt_dir, save_format, self.model, self._optimizer_ready()))
 
     def export_hf_weights(self) -> dict[str, torch.Tensor] | None:
-        weights = {name: tensor.cpu().clone() for name, tensor in self.hf_weights()}
+        weights = {name: tensor.cpu().clone() for name, tensor in self._full_precision_weights()}
         return weights if self.rank == 0 else None
 
     def save_hf(self, out_dir: str):
-        self.checkpoints.save_hf(out_dir, self.hf_weights)
+        self.checkpoints.save_hf(out_dir, self._full_precision_weights)
 
     def save_peft_adapter(self, out_dir: str):
         """policy.peft's adapters as an HF PEFT folder over the base. Collective."""

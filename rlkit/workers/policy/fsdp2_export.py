@@ -7,17 +7,23 @@ Collective: every rank iterates in the same order."""
 
 import itertools
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 LAYER = re.compile(r"^(.*\.layers\.\d+)\.")  # a decoder layer's weights convert together
+DtypeOf = Callable[[torch.nn.Parameter], torch.dtype]  # the dtype a parameter is exported in
 
 
-def whole_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(the model's own name, whole tensor) of every parameter, then of every persistent buffer."""
+def as_held(param: torch.nn.Parameter) -> torch.dtype:
+    return param.dtype
+
+
+def whole_weights(model: torch.nn.Module, dtype_of: DtypeOf = as_held) -> Iterator[tuple[str, torch.Tensor]]:
+    """(the model's own name, whole tensor) of every parameter in dtype_of(it), each shard cast
+    before the gather (bf16 moves half fp32's bytes), then of every persistent buffer as held."""
     for name, param in model.named_parameters():
-        yield name, param.detach().full_tensor()
+        yield name, param.detach().to(dtype_of(param)).full_tensor()
     yield from persistent_buffers(model)
 
 

@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from rlkit.config.schema import PeftConfig
-from rlkit.workers.policy.fsdp2_export import persistent_buffers
+from rlkit.workers.policy.fsdp2_export import DtypeOf, as_held, persistent_buffers
 
 # HF peft's names are the HF model's under this prefix (a PeftModel wraps the model twice)
 PEFT_PREFIX = "base_model.model."
@@ -34,9 +34,10 @@ def hf_name(name: str) -> str:
     return name.removeprefix(PEFT_PREFIX).replace(ADAPTED, "")
 
 
-def merged_weights(model: torch.nn.Module, peft: PeftConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF module name, whole tensor) of every base weight, an adapted layer's as W + alpha / rank x
-    B A, then of the persistent buffers."""
+def merged_weights(model: torch.nn.Module, peft: PeftConfig,
+                   dtype_of: DtypeOf = as_held) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF module name, whole tensor in dtype_of(its base weight)) of every base weight, an adapted
+    layer's as W + alpha / rank x B A (summed in fp32), then of the persistent buffers as held."""
     params = dict(model.named_parameters())
     scale = peft.alpha / peft.rank
     for name, param in params.items():
@@ -47,8 +48,8 @@ def merged_weights(model: torch.nn.Module, peft: PeftConfig) -> Iterator[tuple[s
         if adapted and kind == ".weight":
             a = params[f"{module}.lora_A.default.weight"].detach().full_tensor()
             b = params[f"{module}.lora_B.default.weight"].detach().full_tensor()
-            weight = weight + (scale * (b.float() @ a.float())).to(weight.dtype)
-        yield hf_name(name), weight
+            weight = weight.float() + scale * (b.float() @ a.float())
+        yield hf_name(name), weight.to(dtype_of(param))
     for name, buffer in persistent_buffers(model):
         yield hf_name(name), buffer
 
