@@ -108,15 +108,10 @@ class PeftConfig:
 
 
 @dataclass
-class FSDP2Config:
-    """policy.fsdp2: settings of the FSDP2 backend alone (rlkit/workers/policy/fsdp2.py)."""
-
-    activation_checkpointing: bool = MISSING
-    reshard_after_forward: bool = MISSING
-
-
-@dataclass
 class PolicyConfig:
+    """Every training backend's keys; a backend with keys of its own types the section with a
+    subclass (rlkit/workers/policy/backends.py Backend.config)."""
+
     model_path: str = MISSING
     # the training backend (rlkit/workers/policy/backends.py); a default here: checkpoints saved
     # before the key existed load as they were
@@ -139,8 +134,6 @@ class PolicyConfig:
     offload: str = MISSING
     # None: every weight trains
     peft: Optional[PeftConfig] = None
-    # policy.backend=fsdp2's own settings (configs/policy/fsdp2_tiny.yaml); None under megatron
-    fsdp2: Optional[FSDP2Config] = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
 

@@ -31,6 +31,7 @@ from rlkit.envs.rules import check_env_runner, check_environment
 from rlkit.launch.preflight import check_config
 from rlkit.refit.transport import check_refit
 from rlkit.workers.generation.rules import check_generation
+from rlkit.workers.policy.backends import backend_named
 from rlkit.workers.policy.rules import check_model, check_policy, data_parallel_size
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +134,8 @@ def _yaml_syntax_error(error: BaseException | None) -> str | None:
 
 def to_typed(cfg: DictConfig) -> RootConfig:
     """Merge into the schema: unknown keys, wrong types and missing values fail here. The
-    algorithm section is typed by its module's spec (algorithm.name), data by data.name."""
+    algorithm section is typed by its module's spec (algorithm.name), data by data.name, policy by
+    its training backend's record (policy.backend)."""
     schema = OmegaConf.structured(RootConfig)
     name = OmegaConf.select(cfg, "algorithm.name")
     if not isinstance(name, str):
@@ -145,6 +147,8 @@ def to_typed(cfg: DictConfig) -> RootConfig:
         raise ConfigError(f"data.name: must be one of {list(DATASETS)} (got: {name!r}); select the config group "
                           f"with data=<name>")
     schema["data"] = OmegaConf.structured(DATASETS[name])
+    backend = OmegaConf.select(cfg, "policy.backend", default=schema.policy.backend)
+    schema["policy"] = OmegaConf.structured(backend_named(backend).config)
     try:
         merged = OmegaConf.merge(schema, cfg)
         missing = sorted(OmegaConf.missing_keys(merged))

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from rlkit.config.schema import ConfigError
-from rlkit.models.tiny import ARCHITECTURES, FSDP2_ONLY, TINY_EXPERTS, TINY_HEADS, parse_tiny
+from rlkit.models.tiny import ARCHITECTURES, TINY_EXPERTS, TINY_HEADS, parse_tiny
 
 
 class ModelShape(NamedTuple):
@@ -31,8 +31,7 @@ def model_shape(model_path: str, tiny_layers: int, tiny_hidden: int = 0) -> Mode
     if not config_file.is_file():
         made_here = "; `rlkit pretrained smollm2-135m-instruct` makes it" if "SmolLM2" in model_path else ""
         raise ConfigError(f"policy.model_path: {config_file} does not exist; give an HF checkpoint directory "
-                          f"or tiny://<{'|'.join(a for a in ARCHITECTURES if a not in FSDP2_ONLY)}> (tiny://"
-                          f"<{'|'.join(FSDP2_ONLY)}> under policy.backend=fsdp2){made_here}")
+                          f"or tiny://<{'|'.join(ARCHITECTURES)}>{made_here}")
     try:
         hf = json.loads(config_file.read_text())
         # Qwen-MoE and DeepSeek write num_experts / n_routed_experts; Mixtral and transformers 5 num_local_experts

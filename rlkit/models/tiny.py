@@ -1,5 +1,5 @@
 """Tiny HF checkpoints of real architectures (Qwen2, Qwen3, Qwen3-MoE, GLM-4-MoE, Llama; Phi-3, which no
-bridge converts: the FSDP2 backend trains it), built offline.
+Megatron bridge converts), built offline.
 
 The tokenizer is a byte-level BPE trained on arithmetic-like text. It uses Qwen2's
 pre-tokenizer regex because transformers 5 swaps that regex into any tokenizer loaded
@@ -16,8 +16,6 @@ from pathlib import Path
 from rlkit.models.cache_entry import publish
 
 ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "glm4_moe", "llama", "phi3")
-# HF model types neither Megatron bridge converts (Phi-3: fused q/k/v and gate/up projections); policy.backend=fsdp2 trains them
-FSDP2_ONLY = ("phi3",)
 TINY_HEADS = (4, 2)  # (attention heads, key/value heads) of every tiny model
 TINY_EXPERTS = {"qwen3_moe": 4, "glm4_moe": 4}  # routed experts of each tiny MoE architecture (top-2 of them per token)
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -79,7 +79,7 @@ class RefitSender:
                 rows = None
         self._row_export = rows if rows is not None and set(rows.names) == {m[0] for m in manifest} else None
         if self.source.rank == 0:
-            # the HF export stream: a Megatron model's through its bridge, an FSDP2 model's gathered from its shards
+            # the HF export stream: a Megatron model's through its bridge, another backend's as it yields it
             print(f"[{self.source.name}] refit export: " + ("direct row copies from the parameters"
                                                            if self._row_export is not None
                                                            else "through the HF export stream"), flush=True)

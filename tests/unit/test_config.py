@@ -139,7 +139,7 @@ ERRORS = [
      ["policy.model_path=tiny://llama"]),
     ("model-path-missing", ["policy.model_path=/nonexistent/rlkit/checkpoint"], "policy.model_path",
      ["/nonexistent/rlkit/checkpoint/config.json does not exist", "give an HF checkpoint directory",
-      "tiny://<qwen2|qwen3|qwen3_moe|glm4_moe|llama>"], ["policy.model_path=tiny://qwen3"]),
+      "tiny://<qwen2|qwen3|qwen3_moe|glm4_moe|llama|phi3>"], ["policy.model_path=tiny://qwen3"]),
     ("async-needs-disaggregated", ["algorithm.max_staleness=1"], "algorithm.max_staleness",
      ["> 0 only with cluster.placement=disaggregated", "(got: 1 with colocated)"],
      ["algorithm.max_staleness=1", "cluster.placement=disaggregated"]),

@@ -88,8 +88,8 @@ def test_fsdp2_loads_as_a_policy_group():
 
 def test_an_architecture_no_bridge_converts_is_refused_under_megatron_and_loads_under_fsdp2():
     message = load_error("policy.model_path=tiny://phi3")
-    assert message == ("policy.model_path: tiny://phi3 is a 'phi3' model, which no bridge converts for Megatron (got: "
-                       "policy.backend=megatron); train it with policy=fsdp2_tiny (policy.backend=fsdp2)")
+    assert message == ("policy.model_path: tiny://phi3 is a 'phi3' model, which policy.backend=megatron does not train "
+                       "(got: policy.backend=megatron); train it with policy=fsdp2_tiny (policy.backend=fsdp2)")
     cfg, _ = load_config("grpo_tiny_cpu_fsdp2_phi3", [])
     assert (cfg.policy.backend, cfg.policy.model_path) == ("fsdp2", "tiny://phi3")
 

@@ -1,7 +1,8 @@
 """Training backends (policy.backend): the worker class that trains a model on each rank
 (rlkit/workers/policy/base.py TrainingBackend), named lazily so that loading a config imports no
-torch, and the config rules of that backend, run as the config loads. To add a backend: its
-module(s), its rules, its configs/policy YAML, and one line in BACKENDS."""
+torch, the config rules of that backend, run as the config loads, and the schema of its policy
+section. To add a backend: its module(s), its rules, its configs/policy YAML (<name>_tiny.yaml among
+them), and one line in BACKENDS; no other rlkit module names it (tests/unit/test_backend_door.py)."""
 
 from dataclasses import dataclass
 from typing import Callable
@@ -27,23 +28,32 @@ class Backend:
     check_fits: Callable[[RootConfig], None] = lambda cfg: None
     # the optional fused-kernel packages it would use that are not installed (the driver says so once)
     optional_kernels_missing: Callable[[], list[str]] = lambda: []
+    # the policy section's schema: PolicyConfig, or a subclass that adds the backend's own keys
+    config: type = PolicyConfig
+    # whether it trains models of an HF model_type (config.json's; None: a checkpoint without one)
+    trains: Callable[[str | None], bool] = lambda model_type: True
 
 
 BACKENDS = {
     "megatron": Backend(Lazy("rlkit.workers.policy.megatron:MegatronModelWorker"),
                         megatron_rules.check_megatron_settings, megatron_rules.check_megatron_layout,
                         megatron_rules.data_parallel_size, lambda p: p.bridge, ("lm", "value", "reward"),
-                        optional_kernels_missing=optional_kernels_missing),
+                        optional_kernels_missing=optional_kernels_missing, trains=megatron_rules.converts),
     "fsdp2": Backend(Lazy("rlkit.workers.policy.fsdp2:FSDP2ModelWorker"), fsdp2_rules.check_fsdp2_settings,
                      fsdp2_rules.check_fsdp2_layout, lambda p: p.num_workers, lambda p: "", ("lm", "value", "reward"),
-                     fsdp2_rules.check_fsdp2_fits),
+                     fsdp2_rules.check_fsdp2_fits, config=fsdp2_rules.FSDP2PolicyConfig),
 }
 
 
 def training_backend(p: PolicyConfig) -> Backend:
-    if p.backend not in BACKENDS:
-        raise ConfigError(f"policy.backend: must be one of {list(BACKENDS)} (got: {p.backend!r}); pick one of those")
-    return BACKENDS[p.backend]
+    return backend_named(p.backend)
+
+
+def backend_named(name: str) -> Backend:
+    """policy.backend's record (a ConfigError for a name it does not hold)."""
+    if name not in BACKENDS:
+        raise ConfigError(f"policy.backend: must be one of {list(BACKENDS)} (got: {name!r}); pick one of those")
+    return BACKENDS[name]
 
 
 def worker_class(p: PolicyConfig) -> type:

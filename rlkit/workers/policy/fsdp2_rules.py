@@ -9,7 +9,11 @@ import json
 import os
 import struct
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
+
+from omegaconf import MISSING
 
 from rlkit.bridge.adapters import check_peft_ranges
 from rlkit.config.schema import ConfigError, PolicyConfig, RootConfig
@@ -22,7 +26,23 @@ MEGATRON_ONLY = ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipe
                  "context_parallel_size", "expert_parallel_size")
 
 
-def check_fsdp2_settings(p: PolicyConfig) -> None:
+@dataclass
+class FSDP2Config:
+    """policy.fsdp2: the FSDP2 backend's own settings (configs/policy/fsdp2_tiny.yaml)."""
+
+    activation_checkpointing: bool = MISSING
+    reshard_after_forward: bool = MISSING
+
+
+@dataclass
+class FSDP2PolicyConfig(PolicyConfig):
+    """The policy section under policy.backend=fsdp2: every backend's keys and its own."""
+
+    # None: the section is missing (check_fsdp2_settings names the policy group that has it)
+    fsdp2: Optional[FSDP2Config] = None
+
+
+def check_fsdp2_settings(p: FSDP2PolicyConfig) -> None:
     """Its own section is there, and Megatron's layout keys keep their defaults."""
     if p.fsdp2 is None:
         raise ConfigError("policy.fsdp2: policy.backend=fsdp2 reads this section, which the policy config lacks (got: "

@@ -44,7 +44,7 @@ def resident_storages(models: list, trained: list, optimizer) -> dict[str, list]
     kinds, seen = {"weights": [], "optimizer": [], "gradients": []}, set()
 
     def add(tensor, kind):
-        if isinstance(tensor, DTensor):  # an FSDP2 rank's shard
+        if isinstance(tensor, DTensor):  # a sharded tensor: this rank's shard
             tensor = tensor.to_local()
         storage = tensor.untyped_storage()
         if tensor.is_cuda and storage.data_ptr() not in seen and storage.nbytes() > 0:
@@ -59,7 +59,7 @@ def resident_storages(models: list, trained: list, optimizer) -> dict[str, list]
             add(buffer.grad_data, "gradients")
     if optimizer is not None:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            opt = getattr(opt, "optimizer", opt)  # inside Megatron's wrapper, or a torch optimizer (FSDP2)
+            opt = getattr(opt, "optimizer", opt)  # inside Megatron's wrapper, or a torch optimizer itself
             for group in opt.param_groups:
                 for param in group["params"]:
                     add(param.data, "optimizer")

@@ -8,7 +8,9 @@ from rlkit.bridge.base import (ATTENTION_BACKENDS, BRIDGES, check_bridge,
                                check_transformer_engine_context_parallel)
 from rlkit.config.schema import ConfigError, PolicyConfig, check_choice
 from rlkit.models.shape import ModelShape
-from rlkit.models.tiny import FSDP2_ONLY
+
+# HF model types neither bridge converts (Phi-3: fused q/k/v and gate/up projections)
+NO_BRIDGE = ("phi3",)
 
 
 def model_parallel_size(p: PolicyConfig) -> int:
@@ -18,6 +20,11 @@ def model_parallel_size(p: PolicyConfig) -> int:
 
 def data_parallel_size(p: PolicyConfig) -> int:
     return p.num_workers // model_parallel_size(p)
+
+
+def converts(model_type: str | None) -> bool:
+    """Whether a bridge converts models of this HF model_type for Megatron."""
+    return model_type not in NO_BRIDGE
 
 
 def check_megatron_settings(p: PolicyConfig) -> None:
@@ -34,10 +41,6 @@ def check_megatron_settings(p: PolicyConfig) -> None:
 def check_megatron_layout(p: PolicyConfig, shape: ModelShape) -> None:
     """The parallel layout against the model's shape, then what the bridge builds (check_bridge), the
     attention TransformerEngine brings where installed, and the adapters (check_peft)."""
-    if shape.model_type in FSDP2_ONLY:
-        raise ConfigError(f"policy.model_path: {p.model_path} is a {shape.model_type!r} model, which no bridge converts "
-                          f"for Megatron (got: policy.backend={p.backend}); train it with policy=fsdp2_tiny "
-                          f"(policy.backend=fsdp2)")
     for name, count in [("attention heads", shape.heads), ("key/value heads", shape.kv_heads)]:
         if count % p.tensor_parallel_size:
             raise ConfigError(f"policy.tensor_parallel_size: must divide the model's {count} {name} "

@@ -7,7 +7,7 @@ from rlkit.config.choices import OFFLOAD_MODES
 from rlkit.config.schema import ConfigError, PolicyConfig, RootConfig, check_choice, check_positive
 from rlkit.models.shape import ModelShape, model_shape
 from rlkit.models.tiny import ARCHITECTURES, parse_tiny
-from rlkit.workers.policy.backends import training_backend
+from rlkit.workers.policy.backends import BACKENDS, training_backend
 
 
 def data_parallel_size(p: PolicyConfig) -> int:
@@ -42,8 +42,16 @@ def check_policy(p: PolicyConfig) -> None:
 
 
 def check_model_layout(p: PolicyConfig, shape: ModelShape) -> None:
-    """The backend's layout against the model's shape (policy.backend's check_layout)."""
-    training_backend(p).check_layout(p, shape)
+    """The backend trains the model's architecture (where it does not: the backends that do), and
+    its layout fits the model's shape (policy.backend's check_layout)."""
+    backend = training_backend(p)
+    if not backend.trains(shape.model_type):
+        others = [name for name, other in BACKENDS.items() if other.trains(shape.model_type)]
+        fix = (f"train it with policy={others[0]}_tiny (policy.backend={others[0]})" if others
+               else "use a model of another architecture")
+        raise ConfigError(f"policy.model_path: {p.model_path} is a {shape.model_type!r} model, which "
+                          f"policy.backend={p.backend} does not train (got: policy.backend={p.backend}); {fix}")
+    backend.check_layout(p, shape)
 
 
 def check_model(cfg: RootConfig, heads: set[str]) -> ModelShape:
