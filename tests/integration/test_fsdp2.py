@@ -4,7 +4,8 @@ the rows, give the token logprobs of Megatron's one rank, and one SFT step gives
 gradient norm and logprobs after it. Its export, gathered from the shards, is the checkpoint bit
 for bit under the checkpoint's names; its checkpoints (dist: torch.distributed.checkpoint; hf: HF
 weights beside the optimizer's distributed state) load into new workers, whose next step is the
-uninterrupted run's bit for bit. Packed rows (SFT's) give Megatron's logprobs too.
+uninterrupted run's bit for bit, and a run killed with SIGKILL resumes to the uninterrupted run's
+end. Packed rows (SFT's) give Megatron's logprobs too; refit streams bf16 compute's weights in bf16.
 
 Tolerance 1e-5 as in test_policy_parity.py (Megatron against transformers)."""
 
