@@ -264,10 +264,15 @@ class SFTDataConfig(FileDataConfig):
 
 @dataclass
 class PreferenceSetConfig(ArithmeticSetConfig):
-    """Arithmetic preference pairs: rejected is the answer off by 1-3, or with this probability a
-    malformed response (the answer repeated or with extra characters, empty, random characters)."""
+    """Preference pairs on generated problems: rejected is a near miss (the answer off by 1-3), or
+    with probability malformed_fraction a malformed response (the answer repeated or with extra
+    characters, empty, random characters)."""
 
     malformed_fraction: float = 0.0  # a default here: the sets written before the key stay as they were
+    # arithmetic or word_problems (GSM8K-format worked solutions: rlkit/data/word_problem_pairs.py); a default as above
+    kind: str = "arithmetic"
+    # the prompt around each problem, as the policy is asked it (data.prompt_format); a default as above
+    prompt_format: str = "{prompt}"
 
 
 @dataclass

@@ -35,8 +35,8 @@ SYNTHETIC_SETS = {"arithmetic": arithmetic_splits, "word_problems": word_problem
 
 
 def synthetic_splits(cfg: ArithmeticSetConfig) -> tuple[list[dict], list[dict]]:
-    """The (train, validation) rows of data.synthetic. Prompt data names its kind; SFT and
-    preference sets (ArithmeticSetConfig, no kind) are always arithmetic. Generating takes
+    """The (train, validation) rows of data.synthetic. Prompt and preference data name their
+    kind; SFT sets (ArithmeticSetConfig, no kind) are always arithmetic. Generating takes
     milliseconds, so config validation generates once too: every problem of the set is found at load."""
     kind = getattr(cfg, "kind", "arithmetic")
     if kind not in SYNTHETIC_SETS:

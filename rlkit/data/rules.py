@@ -6,7 +6,8 @@ from rlkit.config.schema import ConfigError, FileDataConfig, PromptDataConfig, c
 
 # data.name -> config groups of that kind, for error messages
 DATA_GROUPS = {"prompts": "data=arithmetic, gsm8k, math, word_problems or prompt_files", "sft_files": "data=arithmetic_sft",
-               "preference_files": "data=arithmetic_preferences or arithmetic_preferences_large"}
+               "preference_files": "data=arithmetic_preferences, arithmetic_preferences_large or "
+                                                   "word_problem_preferences"}
 
 
 def check_data(d: PromptDataConfig | FileDataConfig, algorithm: str, kind: str) -> None:
@@ -20,14 +21,18 @@ def check_data(d: PromptDataConfig | FileDataConfig, algorithm: str, kind: str) 
         _check_synthetic(d)
 
 
-def _check_prompts(d: PromptDataConfig) -> None:
+def check_prompt_format(key: str, template: str) -> None:
     try:
-        d.prompt_format.format(prompt="")
+        template.format(prompt="")
     except (KeyError, IndexError, ValueError) as e:
-        raise ConfigError(f"data.prompt_format: must be a template with {{prompt}} and no other fields (got: "
-                          f"{d.prompt_format!r}: {type(e).__name__} {e}); write literal braces as {{{{ }}}}") from None
-    if "{prompt}" not in d.prompt_format:
-        raise ConfigError(f"data.prompt_format: must contain {{prompt}} (got: {d.prompt_format!r})")
+        raise ConfigError(f"{key}: must be a template with {{prompt}} and no other fields (got: "
+                          f"{template!r}: {type(e).__name__} {e}); write literal braces as {{{{ }}}}") from None
+    if "{prompt}" not in template:
+        raise ConfigError(f"{key}: must contain {{prompt}} (got: {template!r})")
+
+
+def _check_prompts(d: PromptDataConfig) -> None:
+    check_prompt_format("data.prompt_format", d.prompt_format)
     if d.system_prompt is not None and not d.chat_template:
         raise ConfigError("data.system_prompt: needs data.chat_template=true (raw prompts have no system turn); "
                           "set data.system_prompt=null or data.chat_template=true")
@@ -49,6 +54,8 @@ def _check_synthetic(d: PromptDataConfig | FileDataConfig) -> None:
     if s.val_size == 0 and d.val_path is not None:
         raise ConfigError("data.synthetic.val_size: must be >= 1 while data.val_path is set (got: 0); to skip "
                           "validation set data.val_path=null")
+    if hasattr(s, "prompt_format"):  # preference sets only
+        check_prompt_format("data.synthetic.prompt_format", s.prompt_format)
     malformed = getattr(s, "malformed_fraction", 0.0)  # preference sets only
     if not 0.0 <= malformed <= 1.0:
         raise ConfigError(f"data.synthetic.malformed_fraction: must be in [0, 1] (got: {malformed}); the share of "

@@ -1,5 +1,5 @@
 """The generated sets data.synthetic asks for, as the records each kind of data reads: RL prompts
-as generated (arithmetic or word problems), SFT chats and preference pairs of arithmetic problems;
+as generated (arithmetic or word problems), SFT chats of arithmetic problems, preference pairs of either;
 and writing them to data.train_path / data.val_path, marked as rlkit's, never over a file rlkit
 did not write."""
 
@@ -7,9 +7,10 @@ import dataclasses
 import logging
 import random
 
-from rlkit.config.schema import ConfigError, FileDataConfig, PromptDataConfig
+from rlkit.config.schema import ConfigError, FileDataConfig, PreferenceSetConfig, PromptDataConfig
 from rlkit.data.arithmetic import synthetic_splits
 from rlkit.data.files import write_generated
+from rlkit.data.word_problem_pairs import word_problem_pairs
 
 log = logging.getLogger("rlkit")
 
@@ -52,12 +53,19 @@ def malformed_response(answer: str, rng: random.Random) -> str:
             return response
 
 
+def preference_set(rows: list[dict], s: PreferenceSetConfig) -> list[dict]:
+    """The pairs of data.synthetic's kind: arithmetic answers, or worked word-problem solutions."""
+    if s.kind.startswith("word_problems"):
+        return word_problem_pairs(rows, s.seed, s.malformed_fraction, s.prompt_format)
+    return [{**r, "prompt": s.prompt_format.format(prompt=r["prompt"])}
+            for r in preference_records(rows, s.seed, s.malformed_fraction)]
+
+
 def generated_sets(d: PromptDataConfig | FileDataConfig) -> list[tuple[str, str, list[dict]]]:
     """(config key, path, records) of each split data.synthetic writes: data.train_path, and
     data.val_path unless it is null. Generating runs the generator's checks (ConfigError)."""
     as_records = {"prompts": lambda rows: rows, "sft_files": lambda rows: sft_records(rows, chat=True),
-                  "preference_files": lambda rows: preference_records(rows, d.synthetic.seed,
-                                                                          d.synthetic.malformed_fraction)}[d.name]
+                  "preference_files": lambda rows: preference_set(rows, d.synthetic)}[d.name]
     train, val = synthetic_splits(d.synthetic)
     return [(key, path, as_records(rows)) for key, path, rows in [("data.train_path", d.train_path, train),
                                                                    ("data.val_path", d.val_path, val)]
