@@ -14,6 +14,7 @@ from rlkit.cluster.ray_runtime import device_kind, join_or_start_ray, stop_local
 from rlkit.cluster.warm_pool import WarmPool
 from rlkit.cluster.worker_group import WorkerGroup, bundle_gpu_ids, free_address, rendezvous_address
 from rlkit.config.schema import RootConfig
+from rlkit.envs.reward_models.server import shared_gpus
 from rlkit.observability.startup import StartupClock
 from rlkit.workers.generation.base import GenerationWorker as Engine
 from rlkit.workers.policy.backends import training_backend, worker_class
@@ -109,7 +110,7 @@ def _start_workers(cfg: RootConfig, model_dir: str, with_generation: bool, with_
                  " and ".join(missing))
     num_generation = cfg.generation.num_workers if with_generation else 0
     placement = plan_placement(cfg.cluster.placement, cfg.policy.num_workers, num_generation, device, with_critic,
-                               engine_gpus(cfg))
+                               engine_gpus(cfg), shared_gpus(cfg.env) if device == "GPU" else 0.0)
     if pool is not None:
         if device != "CPU":
             raise ValueError(f"a WarmPool holds CPU workers only; this node has {device}s: start the run without one")
@@ -145,7 +146,8 @@ def _start_groups(cfg, model_dir, pg, placement, device, started, with_generatio
             if pool is None:
                 generation = GenerationWorkers(WorkerGroup.start("generation", generation_cls, pg,
                                                                  placement.generation_bundles, placement.share,
-                                                                 device, generation_args, c.call_timeout_s))
+                                                                 device, generation_args, c.call_timeout_s,
+                                                                 placement.gpu_share))
             else:
                 generation = GenerationWorkers(pool.take("generation", generation_cls, "", generation_args,
                                                          len(placement.generation_bundles), c.call_timeout_s))
@@ -194,7 +196,7 @@ def _model_group(role: str, cfg: RootConfig, model_cfg, model_dir: str, pg, plac
         return pool.take(role, actor_cls, training_backend(model_cfg).imports(model_cfg), args,
                          len(placement.policy_bundles), cfg.cluster.call_timeout_s)
     return WorkerGroup.start(role, actor_cls, pg, placement.policy_bundles, placement.share, device, args,
-                             cfg.cluster.call_timeout_s)
+                             cfg.cluster.call_timeout_s, placement.gpu_share)
 
 
 def model_worker_args(cfg: RootConfig, model_cfg, model_dir: str, head: str) -> Callable[[int], dict]:

@@ -68,12 +68,14 @@ class WorkerGroup:
 
     @classmethod
     def start(cls, role: str, actor_cls: type, placement_group, bundle_indices: list[int], share: float,
-              device: str, make_args: Callable[[int], dict], timeout_s: float) -> "WorkerGroup":
-        """Actor i of actor_cls(**make_args(i)) on bundle bundle_indices[i], with share of its resources."""
+              device: str, make_args: Callable[[int], dict], timeout_s: float,
+              gpu_share: float | None = None) -> "WorkerGroup":
+        """Actor i of actor_cls(**make_args(i)) on bundle bundle_indices[i], with share of its resources
+        (gpu_share of a GPU where the bundle holds less than a whole one: Placement.gpu_share)."""
         remote_cls = ray.remote(actor_cls)
         return cls(role, [
             remote_cls.options(
-                num_cpus=share, num_gpus=share if device == "GPU" else 0,
+                num_cpus=share, num_gpus=(share if gpu_share is None else gpu_share) if device == "GPU" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group,
                                                                      placement_group_bundle_index=bundle),
             ).remote(**make_args(rank))

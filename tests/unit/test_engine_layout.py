@@ -3,6 +3,7 @@
 import pytest
 
 from rlkit.cluster.placement import plan_placement
+from rlkit.envs.reward_models.server import shared_gpus
 from rlkit.refit.receiver import ANY_GPU, sender_for
 from rlkit.refit.transport import BroadcastGroup, broadcast_groups
 
@@ -24,6 +25,19 @@ def test_disaggregated_engines_take_bundles_after_the_policy():
 def test_one_gpu_engines_are_placed_as_before():
     placement = plan_placement("colocated", num_policy=2, num_generation=2, device="CPU")
     assert placement.engine_bundles == [[0], [1]] and placement.generation_bundles == [0, 1]
+
+
+def test_a_model_servers_share_of_each_gpu_is_left_out_of_the_bundles():
+    """A reward model of env.num_gpus=0.1 beside a colocated policy and engine on one GPU: the
+    bundle holds the other 0.9, its two actors 0.45 each."""
+    env = {"parts": {"correct": {"_target_": "rule"}, "preference": {"_target_": "rm", "num_gpus": 0.1}}}
+    placement = plan_placement("colocated", num_policy=1, num_generation=1, device="GPU", server_gpus=shared_gpus(env))
+    assert placement.bundles == [{"CPU": 1.0, "GPU": 0.9}] and placement.gpu_share == pytest.approx(0.45)
+    assert shared_gpus({"num_gpus": 1}) == 0.0 and shared_gpus(None) == 0.0  # whole GPUs: GPUs of its own
+    assert plan_placement("colocated", 1, 1, "CPU").gpu_share == 0.0
+    with pytest.raises(ValueError, match="keep the sum below 1"):
+        plan_placement("colocated", 1, 1, "GPU", server_gpus=shared_gpus({"parts": {
+            "a": {"num_gpus": 0.5}, "b": {"num_gpus": 0.5}}}))
 
 
 def test_colocated_engines_need_a_policy_rank_on_every_gpu():

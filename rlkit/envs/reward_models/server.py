@@ -56,6 +56,16 @@ class ServerSettings:
             load, self.batch_size, self.max_wait_s, cache_size)
 
 
+def shared_gpus(env: dict | None) -> float:
+    """The GPU share below a whole GPU that the environment's model servers ask for (env.num_gpus,
+    or its combined parts'): the run's placement leaves it free on each of its GPUs, so a small
+    model runs beside a colocated policy on one GPU. A server of whole GPUs needs GPUs of its own."""
+    if env is None:
+        return 0.0
+    parts = [part for part in (env.get("parts") or {}).values() if isinstance(part, dict)]
+    return sum(gpus for gpus in [env.get("num_gpus") or 0, *(p.get("num_gpus") or 0 for p in parts)] if 0 < gpus < 1)
+
+
 def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
