@@ -10,6 +10,7 @@
 #     (e2e <s> smollm2 --trl: TRL's GRPOTrainer on the same workload after rlkit; trl in the wheel list: EXTRA_WHEELS)
 #   bash scripts/gpu_session.sh startup-run <s> <label> [overrides]    SmolLM2 recipe, 9 steps: start-up phases, checkpoints every 3
 #   bash scripts/gpu_session.sh recipe-run <s> <recipe> [overrides]    a SmolLM2 recipe as shipped (tools vs none: grpo_smollm2_gpu_tools, grpo_smollm2_gpu)
+#   bash scripts/gpu_session.sh rm-run <s> [overrides]    SmolLM2 reward model (reward_model_smollm2_gpu), its export, then grpo_smollm2_gpu_reward_model
 #   bash scripts/gpu_session.sh delta-run <s> <steps> [overrides]    SmolLM2 recipe with HF checkpoints every step, then the
 #     delta sparsity of each step's weights against the step before (benchmarks/delta_sparsity.py --checkpoints)
 #   bash scripts/gpu_session.sh e2e-verl [seconds] [e2e_verl.py args]    verl 0.9.1 on SmolLM2 from /tmp/site-verl (scripts/verl_stack.sh)
@@ -117,6 +118,16 @@ recipe_run() {  # recipe_run <s> <recipe> [overrides]: a SmolLM2 recipe as shipp
   grep "before training\|done:" "$OUT/$2.log" | tail -3
   cp "outputs/$2/metrics.jsonl" "$OUT/metrics_$2.jsonl" 2>/dev/null
 }
+rm_run() {  # rm_run <s> [overrides]: SmolLM2's reward model, its HF export, then GRPO on the rule and it; logs in $OUT
+  local rm=outputs/reward_model_smollm2_gpu start=$SECONDS
+  timeout "$1" python3 -m rlkit.cli train --config-name reward_model_smollm2_gpu > "$OUT/reward_model_smollm2_gpu.log" 2>&1
+  grep "before training\|done:" "$OUT/reward_model_smollm2_gpu.log" | tail -2
+  cp "$rm/metrics.jsonl" "$OUT/metrics_reward_model_smollm2_gpu.jsonl" 2>/dev/null
+  rm -rf "$rm/hf"  # this mode's export from an earlier call: the GRPO run reads the one made now
+  python3 -m rlkit.cli convert "$rm/checkpoints/step_000100" "$rm/hf" > "$OUT/reward_model_convert.log" 2>&1
+  tail -1 "$OUT/reward_model_convert.log"
+  recipe_run $(( $1 - (SECONDS - start) )) grpo_smollm2_gpu_reward_model "${@:2}"
+}
 delta_run() {  # delta_run <s> <steps> [overrides]: what refit.delta would send after each GRPO step of the SmolLM2 recipe
   timeout "$1" python3 -m rlkit.cli train --config-name grpo_smollm2_gpu run.name=delta algorithm.num_steps="$2" \
     algorithm.val_every=100 checkpoint.save_format=hf checkpoint.every=1 checkpoint.keep_last=0 "${@:3}" > "$OUT/delta_run.log" 2>&1
@@ -135,6 +146,7 @@ case "$1" in
   smollm2-gap) smollm2; gap ;;
   smollm2-train) smollm2; train_smollm2 "${2:-560}" "${@:3}" ;;
   delta-run) smollm2; delta_run "$2" "$3" "${@:4}" ;;
+  rm-run) smollm2; rm_run "$2" "${@:3}" ;;  # rm-run <s> [overrides of the GRPO recipe]
   e2e-verl) smollm2; e2e_verl "${2:-480}" "${@:3}" ;;
   async) smollm2; timeout "$2" python3 benchmarks/async_grpo.py --staleness "$3" --out /tmp/async_grpo.json "${@:4}" \
            2>&1 | tee -a "$OUT/async_grpo.log" | tail -4; cp /tmp/async_grpo.json "$OUT/" 2>/dev/null ;;  # 2 GPUs; async <s> <k,...>
