@@ -122,7 +122,7 @@ class BigramBackend(TrainingBackend):
     init_reference = export_held = forward_held = estimate_held = train_held = _not_in_sft
     export_hf_weights = save_hf = save_peft_adapter = _not_in_sft
     refit_manifest = refit_gpu = open_refit_channel = join_refit_communicator = _not_in_sft
-    send_refit = refit_stats = export_refit_adapters = _not_in_sft
+    stream_refit_buckets = send_refit = refit_stats = export_refit_adapters = _not_in_sft
 
 
 class InProcessGroup:

@@ -1,18 +1,21 @@
 """The training-backend interface: what the controller (rlkit/cluster/groups.py, setup.py,
 warm_pool.py) and the refit driver (rlkit/cluster/refit_driver.py) call on each rank of a trained
-model, the policy or PPO's critic. Megatron-Core implements it (megatron.py). Calls name these
-methods (`group.every_rank(TrainingBackend.sleep)`), so a backend is any class that implements
-them; each rank holds its data-parallel shard of what it is given.
+model, the policy or PPO's critic. Megatron-Core implements it (megatron.py), as does each
+backend in backends.py, over TrainingRank (rank.py), which answers the calls their ranks answer
+alike. Calls name these methods (`group.every_rank(TrainingBackend.sleep)`), so a backend is any
+class that implements them; each rank holds its data-parallel shard of what it is given.
 
 Collective calls must be made on every rank of the model; the others may go to some ranks only."""
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from rlkit.checkpoint import WrittenFiles
 from rlkit.data.batch import Batch, BatchTotals
+from rlkit.refit.delta import EncodedBucket
+from rlkit.refit.plan import PackedBucket, RefitPlan
 from rlkit.refit.sender import SentRefit
 
 
@@ -154,7 +157,14 @@ class TrainingBackend(ABC):
         engines (nccl's), as its rank 0."""
 
     @abstractmethod
-    def send_refit(self, plan, with_checksum: bool, delta: bool = False) -> SentRefit:
+    def stream_refit_buckets(self, plan: RefitPlan, with_checksum: bool, delta: bool = False,
+                             base_held: bool = False) -> Iterator[PackedBucket | EncodedBucket]:
+        """refit.transport=cpu: the plan's buckets, yielded by rank 0 as each is packed, into Ray's
+        object store (refit.delta: as changes since the last refit where every receiver holds it,
+        base_held). Collective."""
+
+    @abstractmethod
+    def send_refit(self, plan: RefitPlan, with_checksum: bool, delta: bool = False) -> SentRefit:
         """Send the weights as the plan lays them out, over this rank's channel; what it did, with
         the receivers' reports. Collective."""
 

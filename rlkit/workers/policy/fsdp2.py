@@ -23,16 +23,12 @@ from rlkit.data.batch import Batch, BatchTotals
 from rlkit.data.micro_batches import micro_batches, restore_rows
 from rlkit.observability.profiling import profiled
 from rlkit.observability.startup import PhaseTimes
-from rlkit.refit.sender import RefitSender
-from rlkit.workers.policy.base import TrainingBackend
 from rlkit.workers.policy.fsdp2_checkpoint import FSDP2Checkpoints, load_hf_weights
 from rlkit.workers.policy.fsdp2_export import DtypeOf, as_held, in_checkpoint_layout, whole_weights
 from rlkit.workers.policy.fsdp2_peft import adapter_weights, base_names, merged_weights, restart_adapters, with_adapters
 from rlkit.workers.policy.hand_over import MemoryHandOver
-from rlkit.workers.policy.held_rollout import HeldRollout
 from rlkit.workers.policy.pool_lifecycle import collect
-from rlkit.workers.policy.rank_basics import ON_GPU, RankBasics
-from rlkit.workers.policy.refit_host import RefitHost
+from rlkit.workers.policy.rank import ON_GPU, TrainingRank
 from rlkit.workers.policy.schedule import summed_on_host
 from rlkit.workers.policy.token_head import token_logprobs_and_entropy
 from rlkit.workers.rendezvous import init_process_group
@@ -41,7 +37,7 @@ from rlkit.workers.rendezvous import init_process_group
 ATTENTION = {"sdpa": "sdpa", "local": "eager"}
 
 
-class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
+class FSDP2ModelWorker(TrainingRank):
     def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, seed: int, threads: int,
                  collective_timeout_s: float, head: str = "lm", stage_checkpoints: bool = False):
         """Imports only; setup() builds. head: "lm" (token logprobs), "value" (PPO's critic: a
@@ -79,10 +75,7 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
             self.checkpoints.load_adapters(self.adapters.init_from, self.model)
         self.base_dir = model_dir  # the HF checkpoint under policy.peft's adapters (init_reference may replace it)
         self.reference_is_base = False  # the reference is the policy with its adapters off (init_reference)
-        self.refit_sender = RefitSender(self)
-        self.held = None
-        self.optimizer = None  # built at the first use (_optimizer_ready)
-        self.lr = self.cfg.optimizer.lr
+        self.start_collaborators()
         self.temperature = 1.0
         self.reference = None
 
@@ -128,9 +121,6 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         return model
 
     # ---- setup -------------------------------------------------------------------------
-    def startup_phases(self) -> dict:
-        return self.startup.report()
-
     def layout(self) -> dict:
         return {"rank": self.rank, "tp": 0, "pp": 0, "cp": 0, "dp": self.rank, "is_output": True}
 
@@ -155,10 +145,6 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
     def sleep(self) -> dict:
         models = [self.model] + ([self.reference] if self.reference is not None else [])
         return self.hand_over.sleep(models, [], self.optimizer)
-
-    @profiled
-    def wake(self) -> dict:
-        return self.hand_over.wake()
 
     # ---- forward / backward ------------------------------------------------------------
     def _head_outputs(self, model, mb: Batch, entropy: bool = False,
@@ -238,7 +224,7 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         """The objective's loss and sums on the held rows, without a step (validation)."""
         self.wake()
         self.model.eval()
-        parts, _ = self._micro_batches(self.held)
+        parts, _ = self._micro_batches(self.rollout.held)
         sums = []
         with torch.no_grad():
             for mb in parts:
@@ -248,29 +234,21 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
                 sums.append({"loss": value, **metrics})
         return summed_on_host(sums)
 
-    def _is_output(self) -> bool:
+    def is_output(self) -> bool:
         return True
 
-    def _reduce_over_data_parallel(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        if self.world_size == 1:
-            return tensor
-        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-        on_device = tensor.to(torch.cuda.current_device() if ON_GPU else "cpu", copy=True)
-        dist.all_reduce(on_device, op=ops[op])
-        return on_device.to(tensor.device)
+    def data_parallel_group(self) -> None:
+        return None  # every rank is a data-parallel rank
 
-    def _optimizer_ready(self) -> torch.optim.Optimizer:
-        """Awake, with its optimizer: AdamW over the fp32 shards, without weight decay on biases
-        and norms (as Megatron's optimizer groups them), built at the first use."""
-        self.wake()
-        if self.optimizer is None:
-            o = self.cfg.optimizer
-            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-            groups = [{"params": [p for n, p in named if not _no_decay(n, p)], "weight_decay": o.weight_decay},
-                      {"params": [p for n, p in named if _no_decay(n, p)], "weight_decay": 0.0}]
-            self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr,
-                                               betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
-        return self.optimizer
+    def new_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the fp32 shards, without weight decay on biases and norms (as Megatron's
+        optimizer groups them)."""
+        o = self.cfg.optimizer
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if not _no_decay(n, p)], "weight_decay": o.weight_decay},
+                  {"params": [p for n, p in named if _no_decay(n, p)], "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr,
+                                 betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
 
     # ---- weights out: HF names straight from the shards ----------------------------------
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -352,10 +330,6 @@ class FSDP2ModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
             dist.destroy_process_group()
         self.__dict__.clear()
         collect()
-
-    def reset(self, args: dict):
-        self.release()
-        self.__init__(**args)
 
 
 def _device_mesh(world_size: int):

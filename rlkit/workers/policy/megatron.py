@@ -6,8 +6,8 @@ Each call that takes a Batch receives this rank's DP shard; the controller gathe
 from the output ranks (TP and CP rank 0 on the last pipeline stage) of each DP group. Under context
 parallelism every rank of a CP group holds the same shard, runs the model on its share of each
 row's tokens (rlkit/bridge/context_parallel.py) and gathers the per-token outputs back, so the
-losses and every result are the whole rows', as at CP=1. A step's rollout is held here
-(held_rollout.py), and the rank hosts its half of refit (refit_host.py).
+losses and every result are the whole rows', as at CP=1. What every backend's rank does alike
+(the held rollout, its half of refit) is TrainingRank's (rank.py).
 """
 
 import os
@@ -23,26 +23,20 @@ from rlkit.data.batch import MODEL_INPUTS, Batch, BatchTotals
 from rlkit.data.micro_batches import LENGTH_MASKS, micro_batches, restore_rows
 from rlkit.observability.profiling import profiled
 from rlkit.observability.startup import PhaseTimes, without_wandb
-from rlkit.refit.sender import RefitSender
-from rlkit.workers.policy.base import TrainingBackend
 from rlkit.workers.policy.checkpoint_io import CheckpointIO
 from rlkit.workers.policy.expected_warnings import silence_expected_warnings
 from rlkit.workers.policy.hand_over import MemoryHandOver
-from rlkit.workers.policy.held_rollout import HeldRollout
 from rlkit.workers.policy.optimizer import build_optimizer
 from rlkit.workers.policy.pool_lifecycle import collect, release_process
-from rlkit.workers.policy.rank_basics import RankBasics
-from rlkit.workers.policy.refit_host import RefitHost
+from rlkit.workers.policy.rank import ON_GPU, TrainingRank
 from rlkit.workers.policy.schedule import min_micro_batches, run_schedule, summed_on_host
 from rlkit.workers.policy.token_io import TokenIO
 from rlkit.workers.rendezvous import init_process_group
 
-ON_GPU = torch.cuda.is_available()
-
 silence_expected_warnings()
 
 
-class MegatronModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
+class MegatronModelWorker(TrainingRank):
     def __init__(self, cfg: PolicyConfig, model_dir: str, rank: int, world_size: int, seed: int, threads: int,
                  collective_timeout_s: float, head: str = "lm", stage_checkpoints: bool = False):
         """Imports only, no device memory: a run starts these processes while its generation engines
@@ -112,21 +106,15 @@ class MegatronModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         self.checkpoints = CheckpointIO(self.name, rank, self.bridge, self.model, head, writes_full_state=(
             mpu.get_data_parallel_rank(with_context_parallel=True) == 0
             and not cfg.use_distributed_optimizer and not self.bridge.has_adapters))
-        self.refit_sender = RefitSender(self)  # this rank's half of refit (policy only)
-        self.held: Batch | None = None  # this rank's shard of the step's rollout
-        self.optimizer = None  # built at the first use (_optimizer_ready)
-        self.lr = cfg.optimizer.lr
+        self.start_collaborators()
         self.reference = None
         self.reference_is_base = False  # the reference is self.model with its adapters off (init_reference)
 
     # ---- setup -------------------------------------------------------------------------
-    def startup_phases(self) -> dict:
-        return self.startup.report()
-
     def layout(self) -> dict:
         m = self.mpu
         return {"rank": self.rank, "tp": m.get_tensor_model_parallel_rank(), "pp": m.get_pipeline_model_parallel_rank(),
-                "cp": m.get_context_parallel_rank(), "dp": m.get_data_parallel_rank(), "is_output": self._is_output()}
+                "cp": m.get_context_parallel_rank(), "dp": m.get_data_parallel_rank(), "is_output": self.is_output()}
 
     def set_temperature(self, temperature: float):
         self.io.temperature = temperature
@@ -155,11 +143,6 @@ class MegatronModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         """Free this rank's GPU memory for a colocated vLLM (policy.offload, hand_over.py): bytes
         and seconds; {} on CPU, with offload none, or while asleep."""
         return self.hand_over.sleep(self.model + (self.reference or []), self.model, self.optimizer)
-
-    @profiled
-    def wake(self) -> dict:
-        """Undo sleep(); every call that touches the model calls it first."""
-        return self.hand_over.wake()
 
     # ---- forward / backward ------------------------------------------------------------
     def _run(self, batch: Batch, chunks: list, loss_fn: Callable, forward_only: bool) -> tuple[list[dict], list[int]]:
@@ -255,7 +238,7 @@ class MegatronModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
             return None
         return {**summed_on_host(outputs), "grad_norm": float(grad_norm)}
 
-    # ---- the step's rollout, held where it is used (the rest: held_rollout.py) ------------
+    # ---- the step's rollout, held where it is used (the rest: rank.py) ---------------------
     def evaluate_held(self, totals: BatchTotals, objective: Callable) -> dict | None:
         """The objective's loss and sums on the held rows, without a step (validation); from
         output ranks, summed over micro-batches (each is its exact share of the whole)."""
@@ -267,22 +250,17 @@ class MegatronModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         for chunk in self.model:
             chunk.eval()
         with torch.no_grad():
-            outputs, _ = self._run(self.held, self.model, loss_fn, forward_only=True)
-        return summed_on_host(outputs) if outputs and self._is_output() else None
+            outputs, _ = self._run(self.rollout.held, self.model, loss_fn, forward_only=True)
+        return summed_on_host(outputs) if outputs and self.is_output() else None
 
-    def _is_output(self) -> bool:
+    def is_output(self) -> bool:
         return (self.mpu.get_tensor_model_parallel_rank() == 0 and self.mpu.get_context_parallel_rank() == 0
                 and self.mpu.is_pipeline_last_stage())
 
-    def _reduce_over_data_parallel(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        if self.mpu.get_data_parallel_world_size() == 1:
-            return tensor
-        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-        on_device = tensor.to(torch.cuda.current_device() if ON_GPU else "cpu", copy=True)
-        dist.all_reduce(on_device, op=ops[op], group=self.mpu.get_data_parallel_group())
-        return on_device.to(tensor.device)
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        return self.mpu.get_data_parallel_group()
 
-    # ---- weights out: the export refit's sender reads (the rest of refit: refit_host.py) ----
+    # ---- weights out: the export refit's sender reads (the rest of refit: rank.py) ---------
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The bridge's HF-named export stream (the sender's export interface). Collective."""
         return self.bridge.export_hf_weights(self.model)
@@ -301,13 +279,9 @@ class MegatronModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
         return adapters if self.rank == 0 else None
 
     # ---- checkpoints and exports (checkpoint_io.py) ------------------------------------------
-    def _optimizer_ready(self):
-        """Awake, with its optimizer: built at the first use, so inference-only uses (verify-refit,
-        benchmarks) never pay for fp32 main weights and Adam state."""
-        self.wake()
-        if self.optimizer is None:
-            self.optimizer = build_optimizer(self.cfg, self.bridge.transformer_config, self.model, self.lr)
-        return self.optimizer
+    def new_optimizer(self):
+        """Megatron's distributed optimizer: fp32 main weights and Adam state (optimizer.py)."""
+        return build_optimizer(self.cfg, self.bridge.transformer_config, self.model, self.lr)
 
     def save_checkpoint(self, ckpt_dir: str, save_format: str) -> dict[str, float]:
         return self.checkpoints.save(ckpt_dir, save_format, self._optimizer_ready(), self.lr, self.base_dir)
@@ -340,9 +314,3 @@ class MegatronModelWorker(RankBasics, HeldRollout, RefitHost, TrainingBackend):
                         "checkpoints" in self.__dict__ and self.checkpoints.background_save.pending)
         self.__dict__.clear()
         collect()
-
-    def reset(self, args: dict):
-        """release(), then take new constructor arguments (another model, layout or rank) for the
-        next setup(). The process and its imports stay, for a WarmPool to reuse."""
-        self.release()
-        self.__init__(**args)
