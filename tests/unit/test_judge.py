@@ -3,6 +3,7 @@ in the rubric, and the rubric's checks at config load."""
 
 import pytest
 
+from rlkit.envs.reward_models.generator import vllm_memory_share
 from rlkit.envs.reward_models.judge import render_template, template_problem
 from rlkit.envs.reward_models.verdict import Verdict, normalized, parse_verdict
 
@@ -75,3 +76,9 @@ def test_a_rubric_without_the_response_or_with_unknown_placeholders_is_refused(t
 
 def test_a_rubric_with_its_placeholders_passes():
     assert template_problem("env.template", 'Q {prompt} A {response} R {reference} {"score": 1}') is None
+
+
+@pytest.mark.parametrize("num_gpus, share", [(0.1, 0.1), (0.5, 0.5), (1, 0.9), (2, 0.9)])
+def test_a_vllm_judge_takes_its_share_of_a_shared_gpus_memory(num_gpus, share):
+    # below one GPU the judge sits beside the colocated policy and engine: vLLM's default 0.9 would not fit
+    assert vllm_memory_share(num_gpus) == share

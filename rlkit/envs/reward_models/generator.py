@@ -40,8 +40,15 @@ class HFGenerator:
         return self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
 
 
+def vllm_memory_share(num_gpus: float) -> float:
+    """vLLM's gpu_memory_utilization for a server of num_gpus: below one GPU it shares the run's GPU
+    (rlkit/envs/reward_models/server.py shared_gpus), so it takes that share of the memory and no
+    more; whole GPUs are its own."""
+    return num_gpus if num_gpus < 1 else 0.9
+
+
 class VLLMGenerator:
-    """vLLM on the server's GPU(s), which it takes for its own."""
+    """vLLM on the server's GPU(s): its own, or its share of the run's."""
 
     def __init__(self, model_path: str, dtype: str, max_new_tokens: int, num_gpus: float):
         from transformers import AutoTokenizer
@@ -49,7 +56,8 @@ class VLLMGenerator:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         try:
-            self.llm = LLM(model=model_path, dtype=dtype, tensor_parallel_size=max(int(num_gpus), 1))
+            self.llm = LLM(model=model_path, dtype=dtype, tensor_parallel_size=max(int(num_gpus), 1),
+                           gpu_memory_utilization=vllm_memory_share(num_gpus))
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
