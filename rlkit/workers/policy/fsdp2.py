@@ -122,7 +122,7 @@ class FSDP2ModelWorker(TrainingRank):
 
     # ---- setup -------------------------------------------------------------------------
     def layout(self) -> dict:
-        return {"rank": self.rank, "tp": 0, "pp": 0, "cp": 0, "dp": self.rank, "is_output": True}
+        return {"rank": self.rank, "tp": 0, "pp": 0, "cp": 0, "dp": self.rank, "is_output": self.is_output()}
 
     def set_temperature(self, temperature: float):
         self.temperature = temperature
@@ -214,8 +214,7 @@ class FSDP2ModelWorker(TrainingRank):
         grad_norm = _clip_grad_norm(self.model, self.cfg.optimizer.clip_grad)
         if not torch.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
-            raise RuntimeError(f"{self.name} optimizer step failed on rank {self.rank} (non-finite gradients); lower "
-                               f"its learning rate or optimizer.clip_grad, or look for inf/nan in the batch")
+            raise self.non_finite_gradients()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return {**summed_on_host(sums), "grad_norm": float(grad_norm)}

@@ -230,8 +230,7 @@ class MegatronModelWorker(TrainingRank):
         outputs, _ = self._run(batch, self.model, loss_fn, forward_only=False)
         ok, grad_norm, _ = optimizer.step()
         if not ok:
-            raise RuntimeError(f"{self.name} optimizer step failed on rank {self.rank} (non-finite gradients); lower "
-                               f"its learning rate or optimizer.clip_grad, or look for inf/nan in the batch")
+            raise self.non_finite_gradients()
         if self.stage_checkpoints:  # the optimizer's state exists now
             self.checkpoints.reserve_staging(optimizer)
         if not outputs:

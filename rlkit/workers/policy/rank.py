@@ -100,6 +100,11 @@ class TrainingRank(TrainingBackend):
             self.optimizer = self.new_optimizer()
         return self.optimizer
 
+    def non_finite_gradients(self) -> RuntimeError:
+        """The error a train step raises when its gradients are not finite (no step taken)."""
+        return RuntimeError(f"{self.name} optimizer step failed on rank {self.rank} (non-finite gradients); lower its "
+                            f"learning rate or optimizer.clip_grad, or look for inf/nan in the batch")
+
     def reset_optimizer(self):
         """Drop optimizer state (rebuilt fresh at the next train step), e.g. between a warm start
         and RL, so a run that just did the warm start and one that loaded it from cache agree."""
