@@ -66,6 +66,7 @@ named_run() {  # named_run <label>: one run of the 4-GPU plan, its result and lo
   local moe="--model qwen3-moe-16b-a3b --ep 4 --max-prompt-tokens 256 --response-tokens 1024 --micro-batch-per-gpu 4 --steps 4"
   case "$1" in
     7b-colocated) $rlkit $qwen7b --layout colocated ;;  # DP=4, an engine on each GPU
+    7b-fsdp2) $rlkit $qwen7b --layout colocated --rlkit-overrides policy=fsdp2_gpu policy.fp32_lm_head=false ;;  # FSDP2 over 4 ranks, an engine on each GPU
     7b-colocated-tp2) $rlkit $qwen7b --layout colocated --tp 2 --engine-tp 2 ;;  # TP=2 x DP=2, two engines of 2 GPUs
     7b-disaggregated) $rlkit $qwen7b --layout disaggregated --policy-gpus 2 --gpu-memory-utilization 0.85 ;;
     7b-async) $rlkit $qwen7b --layout async --policy-gpus 2 --staleness 1 --gpu-memory-utilization 0.85 ;;
