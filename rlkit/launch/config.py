@@ -25,13 +25,13 @@ from rlkit.algorithms.registry import load_algorithm
 from rlkit.bridge.adapters import check_init_from
 from rlkit.checkpoint.rules import check_checkpoint
 from rlkit.cluster.placement import PLACEMENTS
-from rlkit.config.schema import DATASETS, ConfigError, RootConfig, check_choice, check_finite, check_positive
+from rlkit.config.schema import ConfigError, RootConfig, check_choice, check_finite, check_positive
 from rlkit.data.rules import check_data
 from rlkit.envs.rules import check_env_runner, check_environment
 from rlkit.launch.preflight import check_config
+from rlkit.launch.section_schemas import typed_schema
 from rlkit.refit.transport import check_refit
 from rlkit.workers.generation.rules import check_generation
-from rlkit.workers.policy.backends import backend_named
 from rlkit.workers.policy.rules import check_model, check_policy, data_parallel_size
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -133,22 +133,9 @@ def _yaml_syntax_error(error: BaseException | None) -> str | None:
 
 
 def to_typed(cfg: DictConfig) -> RootConfig:
-    """Merge into the schema: unknown keys, wrong types and missing values fail here. The
-    algorithm section is typed by its module's spec (algorithm.name), data by data.name, policy by
-    its training backend's record (policy.backend)."""
-    schema = OmegaConf.structured(RootConfig)
-    name = OmegaConf.select(cfg, "algorithm.name")
-    if not isinstance(name, str):
-        raise ConfigError(f"algorithm.name: no algorithm selected (got: {name!r}); select the config group with "
-                          f"algorithm=<name>")
-    schema["algorithm"] = OmegaConf.structured(load_algorithm(name).config)
-    name = OmegaConf.select(cfg, "data.name")
-    if name not in DATASETS:
-        raise ConfigError(f"data.name: must be one of {list(DATASETS)} (got: {name!r}); select the config group "
-                          f"with data=<name>")
-    schema["data"] = OmegaConf.structured(DATASETS[name])
-    backend = OmegaConf.select(cfg, "policy.backend", default=schema.policy.backend)
-    schema["policy"] = OmegaConf.structured(backend_named(backend).config)
+    """Merge into the schema (section_schemas.py: the sections each part types by a choice in the
+    config): unknown keys, wrong types and missing values fail here."""
+    schema = typed_schema(cfg)
     try:
         merged = OmegaConf.merge(schema, cfg)
         missing = sorted(OmegaConf.missing_keys(merged))
