@@ -7,6 +7,7 @@ from typing import Any
 from rlkit.config.choices import FLOWS
 from rlkit.config.schema import ConfigError, EnvRunnerConfig, check_choice, check_positive
 from rlkit.envs.base import check_environment_config
+from rlkit.envs.reward_models.server import shared_gpus
 
 
 def check_env_runner(r: EnvRunnerConfig) -> None:
@@ -30,3 +31,6 @@ def check_environment(env: dict[str, Any]) -> None:
     problem = check_environment_config(env["_target_"], {k: v for k, v in env.items() if k != "_target_"})
     if problem:
         raise ConfigError(problem)
+    if shared_gpus(env) >= 1:  # the run's placement leaves this share of each GPU free: it must leave some
+        raise ConfigError(f"env.num_gpus: the model servers' shares below one GPU add up to {shared_gpus(env):g} of "
+                          f"each GPU (summed over env.parts); keep the sum below 1, or give a server whole GPUs of its own")

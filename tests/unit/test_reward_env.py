@@ -10,12 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from rlkit.config.schema import ConfigError
 from rlkit.envs.base import EnvStep, Environment, check_environment_config, load_environment, start_services
 from rlkit.envs.reward_models.combined import CombinedEnv, weighted_sum
 from rlkit.envs.reward_models.metrics import score_means
 from rlkit.envs.reward_models.model_dirs import is_out_of_memory, out_of_memory_line
 from rlkit.envs.reward_models.normalize import Normalizer, RunningMoments
 from rlkit.envs.reward_models.server import ModelServer
+from rlkit.envs.rules import check_environment
 from rlkit.envs.runner import safe_step
 from rlkit.models.tiny import build_tokenizer
 
@@ -270,3 +272,10 @@ def test_a_judge_rubric_file_without_the_response_is_refused(model_dirs, tmp_pat
     rubric.write_text("Rate the question {prompt}. Score: n/10")
     line = check_environment_config(JUDGE, {"model_path": model_dirs["lm"], "template_file": str(rubric)})
     assert line.startswith("env.template_file: the rubric has no {response}")
+
+
+def test_model_servers_sharing_a_whole_gpu_are_refused_as_the_config_loads(model_dirs):
+    part = {"_target_": RM, "weight": 1, "model_path": model_dirs["rm"], "num_gpus": 0.5}
+    with pytest.raises(ConfigError, match=r"^env.num_gpus: the model servers' shares below one GPU add up to 1 .*"
+                                          r"keep the sum below 1"):
+        check_environment({"_target_": COMBINED, "parts": {"a": part, "b": dict(part)}})
