@@ -14,9 +14,11 @@ import struct
 import sys
 
 SOCKET_ENV, WORKER_ENV = "RLKIT_FORK_SOCKET", "RLKIT_FORK_WORKER"
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _exec_worker(argv: list[str]) -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # a mask outlives exec: the worker's starts clear
     os.execv(sys.executable, [sys.executable, *argv])
 
 
@@ -37,6 +39,8 @@ def _receive_int(connection: socket.socket) -> int | None:
 def main(args: list[str]) -> int:
     # taken out of the environment: the worker's is the one it would have had without the client
     path, argv = os.environ.pop(SOCKET_ENV, ""), [os.environ.pop(WORKER_ENV), *args]
+    # held until the worker's pid is known: a signal sent while the server forks is forwarded, not lost
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.connect(path)
@@ -50,8 +54,9 @@ def main(args: list[str]) -> int:
     pid = _receive_int(connection)
     if pid is None:  # it closed without forking: preloading failed, so it serves no one
         _exec_worker(argv)
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    for signum in FORWARDED:
         signal.signal(signum, lambda received, _: os.kill(pid, received))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     status = _receive_int(connection)
     if status is None:  # the server died; its workers die with it
         return 1
