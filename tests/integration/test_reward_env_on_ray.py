@@ -4,6 +4,8 @@ time or dies fails its calls, not the run; an LLM judge's nonsense verdicts are 
 beside a rule's reward in a weighted combination; a GRPO step trains on a rule and a reward model
 combined."""
 
+import time
+
 import pytest
 import ray
 import torch
@@ -52,6 +54,15 @@ def reward_model_dir(tmp_path_factory):
     return str(path)
 
 
+def kill_and_wait(actor) -> None:
+    """ray.kill only asks for the kill: calls sent right after it can still be served."""
+    ray.kill(actor)
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(600):
+            ray.get(actor.ready.remote(), timeout=30)
+            time.sleep(0.05)
+
+
 def scores_called_directly(model_dir: str, items) -> list[float]:
     """Each conversation alone through the HF model, rendered by its tokenizer's chat template."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -82,7 +93,7 @@ def test_reward_model_server_scores_as_the_model_called_directly(ray_cluster, re
             assert s.counts == {} and s.step.counts == {
                 "reward_model/raw_sum": s.step.reward, "reward_model/scored": 1, "reward_model/truncated": 0,
                 "reward_model/response_tokens_sum": response_tokens}
-        ray.kill(pool.services["reward_model"])
+        kill_and_wait(pool.services["reward_model"])
         after = pool.step(ITEMS[:2])
         assert [s.step.reward for s in after] == [-1.0, -1.0]
         assert all(s.counts == {"env/failures": 1, "env/exceptions": 1} for s in after)
