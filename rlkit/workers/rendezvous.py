@@ -34,10 +34,16 @@ def interface_of(address: str) -> str:
 
 
 def use_interface_of(address: str) -> None:
-    """gloo and NCCL listen on the interface of `address`, unless the user chose one already."""
+    """gloo and NCCL listen on the interface of `address`, unless the user chose one already. A
+    loopback address takes loopback whatever the environment says: a variable inherited from the
+    shell (another cluster's interface) would otherwise open a loopback cluster's ranks to the network."""
     name = interface_of(address)
+    loopback = ipaddress.ip_address(address).is_loopback
     for variable in INTERFACE_VARIABLES:
-        os.environ.setdefault(variable, name)
+        if loopback:
+            os.environ[variable] = name
+        else:
+            os.environ.setdefault(variable, name)
 
 
 def bound_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:

@@ -30,9 +30,23 @@ def listening() -> list[tuple[str, int]]:
             if c.status == psutil.CONN_LISTEN]
 
 
-def test_a_process_group_listens_on_its_node_address_only(monkeypatch):
+def other_interface() -> str | None:
+    """A network interface of this machine with an address that is not loopback, if it has one."""
+    return next((name for name, addresses in psutil.net_if_addrs().items()
+                 if any(a.family == socket.AF_INET and not a.address.startswith("127.") for a in addresses)), None)
+
+
+@pytest.mark.parametrize("inherited", ["unset", "another interface"])
+def test_a_process_group_listens_on_its_node_address_only(monkeypatch, inherited):
+    """Also where the environment names another interface for gloo and NCCL (a shell's setting for
+    another cluster): a loopback node's ranks stay on loopback."""
+    interface = other_interface() if inherited == "another interface" else None
+    if inherited == "another interface" and interface is None:
+        pytest.skip("this machine has no interface beyond loopback")
     for variable in rendezvous.INTERFACE_VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
+        monkeypatch.setenv(variable, interface or "")  # recorded, so the test's own setting is undone after it
+        if interface is None:
+            monkeypatch.delenv(variable)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
