@@ -73,6 +73,8 @@ BRIDGE_PRELOAD = {"mbridge": "mbridge", "megatron_bridge": "rlkit.bridge.megatro
 _PR_SET_PDEATHSIG = 1
 DIRECTORY_PREFIX = "rlkit-fork-"  # a server's folder in the temporary one: rlkit-fork-<driver pid>-<random>
 CLIENT = Path(__file__).with_name("fork_client.py")
+# the signals that stop a command (rlkit/launch/interrupts.py), held while a server is started
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def available() -> bool:
@@ -106,32 +108,51 @@ class ForkServer:
     @classmethod
     def start(cls, preload: tuple[str, ...], timeout_s: float = 30) -> "ForkServer":
         """Start the server and wait until it listens (it preloads afterwards, while clients queue).
-        preload: module names, or module:function to call once imported (preload_for)."""
+        preload: module names, or module:function to call once imported (preload_for). A server
+        that does not start, or a signal that stops the command meanwhile, leaves nothing behind."""
         _remove_stale_directories()
-        # named after this process, whose end ends the server; short: a socket path fits 107 bytes
-        directory = Path(tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-"))
-        # the server's read end sees EOF when this process ends, however it ends (PR_SET_PDEATHSIG
-        # would follow the thread that started the server, which may end first)
-        lifeline_read, lifeline = os.pipe()
-        # torch asks NVML, not CUDA's driver, whether a GPU is there (a module that asks as it imports)
-        env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
-        process = subprocess.Popen([sys.executable, "-m", "rlkit.cluster.fork_server", str(directory / "fork.sock"),
-                                    str(lifeline_read), *preload],
-                                   stdin=subprocess.DEVNULL, pass_fds=(lifeline_read,), env=env,
-                                   # out of the driver's process group, as the local cluster's Ray processes
-                                   # are (ray_runtime): its signal is the driver's alone to handle
-                                   start_new_session=True)
-        os.close(lifeline_read)
-        server = cls(process, directory, lifeline)
-        atexit.register(server.stop)
-        deadline = time.monotonic() + timeout_s
-        while not server.socket.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
+        # held until the server is owned: a stop signal (its handler raises) between the folder's
+        # making and the server's handle would leave both to no one
+        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        directory, server = None, None
+        try:
+            # named after this process, whose end ends the server; short: a socket path fits 107 bytes
+            directory = Path(tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-"))
+            # the server's read end sees EOF when this process ends, however it ends (PR_SET_PDEATHSIG
+            # would follow the thread that started the server, which may end first)
+            lifeline_read, lifeline = os.pipe()
+            # torch asks NVML, not CUDA's driver, whether a GPU is there (a module that asks as it imports)
+            env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+            try:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "rlkit.cluster.fork_server", str(directory / "fork.sock"),
+                     str(lifeline_read), *preload],
+                    stdin=subprocess.DEVNULL, pass_fds=(lifeline_read,), env=env,
+                    # out of the driver's process group, as the local cluster's Ray processes are
+                    # (ray_runtime): its signal is the driver's alone to handle
+                    start_new_session=True)
+            except BaseException:
+                os.close(lifeline)
+                raise
+            finally:
+                os.close(lifeline_read)
+            server = cls(process, directory, lifeline)
+            atexit.register(server.stop)
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)  # a signal held meanwhile is raised here
+            deadline = time.monotonic() + timeout_s
+            while not server.socket.exists():
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the worker fork server did not start (exit status {process.poll()}); "
+                                       f"set cluster.fork_workers=false to start every worker on its own")
+                time.sleep(0.01)
+            return server
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+            if server is not None:
                 server.stop()
-                raise RuntimeError(f"the worker fork server did not start (exit status {process.poll()}); set "
-                                   f"cluster.fork_workers=false to start every worker on its own")
-            time.sleep(0.01)
-        return server
+            elif directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+            raise
 
     def client_environment(self, worker: str) -> dict[str, str]:
         """Where CLIENT, run as `python CLIENT ARGS...` under this environment, has this server
@@ -150,7 +171,7 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        _remove(self.socket)
+        shutil.rmtree(self.directory, ignore_errors=True)  # the socket, or the one the server had yet to name
         atexit.unregister(self.stop)
 
 
@@ -306,6 +327,7 @@ def _become_worker(request: dict, fds: list[int], server: int, without_ray: list
 
 def serve(path: str, lifeline: int, modules: tuple[str, ...]) -> None:
     """lifeline: the read end of a pipe only the driver writes to; its EOF ends the server."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held by the driver as it started this process
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(128)

@@ -122,6 +122,37 @@ def test_a_server_folder_left_by_an_ended_driver_is_removed_as_the_next_server_s
         shutil.rmtree(tmp_path)
 
 
+class Stop(BaseException):
+    """What a stop signal's handler raises, as rlkit's does (rlkit/launch/interrupts.py)."""
+
+
+def test_a_stop_signal_while_the_server_starts_leaves_nothing_behind(monkeypatch):
+    """A Ctrl-C or SIGTERM at a command's first moments can come as the server is forked: it is held
+    until the server is owned, then stops the start, which stops the server and removes its folder."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="fs-"))  # short: see the test above
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    popen, started = subprocess.Popen, []
+
+    def popen_as_a_signal_comes(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    def stop(signum, frame):
+        raise Stop()
+
+    monkeypatch.setattr(fork_server.subprocess, "Popen", popen_as_a_signal_comes)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(Stop):
+            ForkServer.start(preload=("json",))
+        assert len(started) == 1 and started[0].poll() is not None  # the server was started, then stopped
+        assert list(tmp_path.iterdir()) == []  # its folder too
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(tmp_path)
+
+
 def test_a_signal_to_the_client_reaches_its_worker(server, script):
     client = run_worker(server.socket, script, "sleep", "0", wait=False)
     worker = wait_for_worker(client)
