@@ -27,6 +27,7 @@ every client execs a worker of its own. Linux only."""
 
 import array
 import atexit
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -73,7 +74,7 @@ BRIDGE_PRELOAD = {"mbridge": "mbridge", "megatron_bridge": "rlkit.bridge.megatro
 _PR_SET_PDEATHSIG = 1
 DIRECTORY_PREFIX = "rlkit-fork-"  # a server's folder in the temporary one: rlkit-fork-<driver pid>-<random>
 CLIENT = Path(__file__).with_name("fork_client.py")
-# the signals that stop a command (rlkit/launch/interrupts.py), held while a server is started
+# the signals that stop a command (rlkit/launch/interrupts.py), deferred while a server is started
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -111,48 +112,49 @@ class ForkServer:
         preload: module names, or module:function to call once imported (preload_for). A server
         that does not start, or a signal that stops the command meanwhile, leaves nothing behind."""
         _remove_stale_directories()
-        # held until the server is owned: a stop signal (its handler raises) between the folder's
-        # making and the server's handle would leave both to no one
-        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         directory, server = None, None
         try:
-            # named after this process, whose end ends the server; short: a socket path fits 107 bytes
-            directory = Path(tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-"))
-            # the server's read end sees EOF when this process ends, however it ends (PR_SET_PDEATHSIG
-            # would follow the thread that started the server, which may end first)
-            lifeline_read, lifeline = os.pipe()
-            # torch asks NVML, not CUDA's driver, whether a GPU is there (a module that asks as it imports)
-            env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
-            try:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "rlkit.cluster.fork_server", str(directory / "fork.sock"),
-                     str(lifeline_read), *preload],
-                    stdin=subprocess.DEVNULL, pass_fds=(lifeline_read,), env=env,
-                    # out of the driver's process group, as the local cluster's Ray processes are
-                    # (ray_runtime): its signal is the driver's alone to handle
-                    start_new_session=True)
-            except BaseException:
-                os.close(lifeline)
-                raise
-            finally:
-                os.close(lifeline_read)
-            server = cls(process, directory, lifeline)
-            atexit.register(server.stop)
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)  # a signal held meanwhile is raised here
+            with _stop_signals_deferred():  # until the server is owned: a stop in between would orphan it
+                # named after this process, whose end ends the server; short: a socket path fits 107 bytes
+                directory = Path(tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-"))
+                server = cls._spawn(directory, preload)
             deadline = time.monotonic() + timeout_s
             while not server.socket.exists():
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the worker fork server did not start (exit status {process.poll()}); "
+                if server.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the worker fork server did not start (exit status {server.process.poll()}); "
                                        f"set cluster.fork_workers=false to start every worker on its own")
                 time.sleep(0.01)
             return server
         except BaseException:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
             if server is not None:
                 server.stop()
             elif directory is not None:
                 shutil.rmtree(directory, ignore_errors=True)
             raise
+
+    @classmethod
+    def _spawn(cls, directory: Path, preload: tuple[str, ...]) -> "ForkServer":
+        """The server's process, serving on a socket in directory once it has started."""
+        # the server's read end sees EOF when this process ends, however it ends (PR_SET_PDEATHSIG
+        # would follow the thread that started the server, which may end first)
+        lifeline_read, lifeline = os.pipe()
+        # torch asks NVML, not CUDA's driver, whether a GPU is there (a module that asks as it imports)
+        env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+        try:
+            process = subprocess.Popen([sys.executable, "-m", "rlkit.cluster.fork_server", str(directory / "fork.sock"),
+                                        str(lifeline_read), *preload],
+                                       stdin=subprocess.DEVNULL, pass_fds=(lifeline_read,), env=env,
+                                       # out of the driver's process group, as the local cluster's Ray processes
+                                       # are (ray_runtime): its signal is the driver's alone to handle
+                                       start_new_session=True)
+        except BaseException:
+            os.close(lifeline)
+            raise
+        finally:
+            os.close(lifeline_read)
+        server = cls(process, directory, lifeline)
+        atexit.register(server.stop)
+        return server
 
     def client_environment(self, worker: str) -> dict[str, str]:
         """Where CLIENT, run as `python CLIENT ARGS...` under this environment, has this server
@@ -173,6 +175,27 @@ class ForkServer:
                 self.process.wait()
         shutil.rmtree(self.directory, ignore_errors=True)  # the socket, or the one the server had yet to name
         atexit.unregister(self.stop)
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred():
+    """Within: SIGINT and SIGTERM are noted, not handled; on leaving, the handlers in place get them.
+    Python runs signal handlers in the main thread alone, so only there can one interrupt this code."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came = []
+    # None: a handler not set from Python, which could not be put back
+    previous = {signum: handler for signum in STOP_SIGNALS if (handler := signal.getsignal(signum)) is not None}
+    for signum in previous:
+        signal.signal(signum, lambda received, _: came.append(received))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in came:
+            signal.raise_signal(signum)
 
 
 def _remove_stale_directories() -> None:
@@ -327,7 +350,6 @@ def _become_worker(request: dict, fds: list[int], server: int, without_ray: list
 
 def serve(path: str, lifeline: int, modules: tuple[str, ...]) -> None:
     """lifeline: the read end of a pipe only the driver writes to; its EOF ends the server."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held by the driver as it started this process
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(128)
