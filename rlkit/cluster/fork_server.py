@@ -162,7 +162,7 @@ class ForkServer:
         return {SOCKET_ENV: str(self.socket), WORKER_ENV: worker}
 
     def stop(self) -> None:
-        """Stop the server (its remaining workers die with it) and remove its socket."""
+        """Stop the server (its remaining workers die with it) and remove its folder."""
         if self.lifeline >= 0:
             os.close(self.lifeline)
             self.lifeline = -1

@@ -112,8 +112,8 @@ def test_a_signal_during_the_warm_start_stops_it_at_once(tmp_path, cache_dir):
     One generation worker: a worker of each kind to stop, and each unforked one imports its libraries itself."""
     ray_dir, cached = Path(tempfile.mkdtemp(prefix="rk")), set(Path(cache_dir).glob("warm-start-*"))
     process = started_run(tmp_path, cache_dir, ray_dir, "algorithm.warm_start.sft_steps=100000",
-                          "algorithm.warm_start.batch_size=16", "policy.micro_batch_size=8", "cluster.fork_workers=false",
-                          "generation.num_workers=1")
+                          "algorithm.warm_start.batch_size=16", "policy.micro_batch_size=8",
+                          "cluster.fork_workers=false", "generation.num_workers=1")
     try:
         wait_for(process, tmp_path, "warm start SFT step 10/")
         said = stopped_by(process, signal.SIGTERM, tmp_path, ray_dir, to_group=True)
